@@ -1,0 +1,159 @@
+"""Time moe_cutlass.fused_moe on the DESIGN.md section 5 shapes, as multiples of the floor.
+
+usage: python -m benchmarks.bench_moe [--configs a,b] [--ms 1,4,...] [--reps 100] [--out-dir DIR]
+
+The floor of one layer = max(MXFP4 bytes of the active experts' weights (4.25 bits/weight) plus
+activations in and out / copy bandwidth, 2*M*k*3*H*I / BF16 matmul rate), both ceilings
+measured in this run. Decode-size and prefill-size calls are timed as CUDA-graph replay and
+eagerly; the L2 is flushed before every rep; the median of --reps reps is reported.
+"""
+import argparse
+import statistics
+
+import torch
+
+import moe_cutlass as mc
+from benchmarks.record import write_record
+
+CONFIGS = {
+    # name: (E, H, I, top_k)
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "gpt-oss-120b": (128, 2880, 2880, 4),
+    "dsv4-flash": (256, 4096, 2048, 6),
+    "dsv3": (256, 7168, 2048, 8),
+}
+TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
+RELERR_MAX_TOKENS = 1024  # the float32 reference is slow past this
+
+
+class Timer:
+    """Median device time of fn over reps, with the L2 flushed before each rep."""
+
+    def __init__(self, reps):
+        self.reps = reps
+        self.flush_buf = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")  # > 60 MB L2
+
+    def median_us(self, fn, warmup=10):
+        for _ in range(warmup):
+            fn()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        for start, end in zip(starts, ends):
+            self.flush_buf.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+
+def measure_floors(timer):
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    copy_us = timer.median_us(lambda: dst.copy_(src))
+    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm_us = timer.median_us(lambda: m @ m)
+    return {"hbm_bytes_per_s": 2 * src.numel() / (copy_us * 1e-6),
+            "bf16_flops_per_s": 2 * 8192 ** 3 / (mm_us * 1e-6)}
+
+
+def random_mxfp4(E, N, K, gen):
+    blocks = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device="cuda", generator=gen)
+    scales = torch.randint(119, 124, (E, N, K // 32), dtype=torch.uint8, device="cuda", generator=gen)
+    return blocks, scales
+
+
+def random_routing(M, E, k, gen):
+    ids = torch.rand(M, E, device="cuda", generator=gen).topk(k, dim=1).indices.to(torch.int32)
+    weights = torch.randn(M, k, device="cuda", generator=gen).softmax(dim=1)
+    return weights, ids
+
+
+def floor_us(M, E, H, I, k, ids, floors):
+    active = int(torch.unique(ids).numel())
+    weight_bytes = active * 3 * H * I * (0.5 + 1 / 32)
+    act_bytes = 2 * M * H * 2
+    flops = 2.0 * M * k * 3 * H * I
+    return max((weight_bytes + act_bytes) / floors["hbm_bytes_per_s"],
+               flops / floors["bf16_flops_per_s"]) * 1e6
+
+
+def relerr_vs_reference(x, experts, weights, ids, out):
+    """Reference on the active experts only: dsv3's full float32 weights would not fit."""
+    active = torch.unique(ids)
+    remap = torch.full((experts.num_experts,), -1, dtype=torch.int32, device=ids.device)
+    remap[active] = torch.arange(active.numel(), dtype=torch.int32, device=ids.device)
+    ref = mc.reference.fused_moe_float(x, experts.select(active), weights, remap[ids.long()])
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def graph_of(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def bench_config(name, tokens, timer, floors, gen):
+    E, H, I, k = CONFIGS[name]
+    w13_b, w13_s = random_mxfp4(E, 2 * I, H, gen)
+    w2_b, w2_s = random_mxfp4(E, H, I, gen)
+    experts = mc.prepare_experts(w13_b, w13_s, w2_b, w2_s)
+    del w13_b, w13_s, w2_b, w2_s
+    rows = []
+    for M in tokens:
+        x = torch.randn(M, H, dtype=torch.bfloat16, device="cuda", generator=gen)
+        weights, ids = random_routing(M, E, k, gen)
+        out = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
+
+        def run():
+            mc.fused_moe(x, experts, weights, ids, out=out)
+
+        out.fill_(float("nan"))
+        run()
+        relerr = relerr_vs_reference(x, experts, weights, ids, out) if M <= RELERR_MAX_TOKENS else None
+        floor = floor_us(M, E, H, I, k, ids, floors)
+        graph = graph_of(run)
+        for mode, fn in (("graph", graph.replay), ("eager", run)):
+            us = timer.median_us(fn)
+            rows.append({"impl": "moe_cutlass", "config": name, "M": M, "mode": mode, "us": us,
+                         "floor_us": floor, "x_floor": us / floor, "relerr": relerr})
+            print(f"{name:14s} M={M:6d} {mode:5s} {us:9.1f} us  floor {floor:8.1f} us  "
+                  f"x{us / floor:5.2f}  relerr {relerr if relerr is None else f'{relerr:.1e}'}", flush=True)
+        del graph
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--ms", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args()
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; known: {list(CONFIGS)}")
+    tokens = [int(m) for m in args.ms.split(",")]
+    timer = Timer(args.reps)
+    floors = measure_floors(timer)
+    print(f"floors: copy {floors['hbm_bytes_per_s'] / 1e12:.2f} TB/s, "
+          f"bf16 {floors['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    rows = []
+    for name in names:
+        rows += bench_config(name, tokens, timer, floors, gen)
+        torch.cuda.empty_cache()
+    path = write_record("bench", {"floors": floors, "reps": args.reps, "rows": rows}, args.out_dir)
+    print(f"record: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Evidence records: every GPU test run and benchmark leaves one JSON file in benchmarks/results/.
+
+CI has no GPU, so these files are the only proof of what ran on the H200. The device machine
+gets a copy of the tree without .git, so the commit comes from MOE_CUTLASS_COMMIT when set.
+"""
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def current_commit() -> str:
+    env = os.environ.get("MOE_CUTLASS_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=RESULTS_DIR.parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def write_record(kind: str, payload: dict, out_dir=None) -> Path:
+    """Write {commit, date, device, command, kind, **payload} and return its path.
+
+    The file name carries the kind and a UTC timestamp so records never overwrite each other.
+    """
+    now = datetime.datetime.now(datetime.timezone.utc)
+    record = {
+        "commit": current_commit(),
+        "date": now.isoformat(timespec="seconds"),
+        "device": device_name(),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "kind": kind,
+        **payload,
+    }
+    directory = Path(out_dir) if out_dir else RESULTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{kind}_{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
