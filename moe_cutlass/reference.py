@@ -57,7 +57,6 @@ def _activate(gate, up, activation, limit, alpha):
 def _compute(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit,
              swiglu_alpha, routed_scaling_factor, expert_map):
     device = hidden_states.device
-    w13, w2, b13, b2 = (None if t is None else t.to(device, torch.float32) for t in experts.dequantized())
     inter = experts.intermediate_size
     x = hidden_states.float()
     out = torch.zeros(x.shape[0], experts.hidden_size, dtype=torch.float32, device=device)
@@ -72,13 +71,16 @@ def _compute(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_
     for e, expert_slots in enumerate(torch.split(slots, counts)):
         if expert_slots.numel() == 0:
             continue
+        # One expert at a time: all of a large layer in float32 would not fit on a GPU.
+        w13, w2, b13, b2 = (None if t is None else t[0].to(device, torch.float32)
+                            for t in experts.select([e]).dequantized())
         tokens = expert_slots // k
-        h = x[tokens] @ w13[e].T
+        h = x[tokens] @ w13.T
         if b13 is not None:
-            h = h + b13[e]
-        y = _activate(h[:, :inter], h[:, inter:], activation, swiglu_limit, swiglu_alpha) @ w2[e].T
+            h = h + b13
+        y = _activate(h[:, :inter], h[:, inter:], activation, swiglu_limit, swiglu_alpha) @ w2.T
         if b2 is not None:
-            y = y + b2[e]
+            y = y + b2
         out.index_add_(0, tokens, y * topk_weights.flatten()[expert_slots, None])
     return out * routed_scaling_factor
 

@@ -14,6 +14,10 @@ class StandInExperts:
         self.intermediate_size = two_i // 2
         self._weights = (w13, w2, b13, b2)
 
+    def select(self, expert_ids):
+        picked = [None if w is None else w[list(expert_ids)] for w in self._weights]
+        return StandInExperts(*picked)
+
     def dequantized(self):
         return self._weights
 
