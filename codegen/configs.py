@@ -1,0 +1,33 @@
+"""The kernel table: which instantiations exist, per architecture. Data only.
+
+Adding a kernel = appending one KernelConfig to KERNELS[arch]. Its template
+`templates/<arch>/<family>.cu.j2` is rendered with `name` and every entry of `params`
+as top-level variables; the optional `templates/<arch>/<family>.h.j2`, rendered with the
+same variables, declares the extern "C" functions the instantiation exports.
+"""
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    name: str  # unique per arch; becomes the source file name <name>.cu
+    template: str  # file name under templates/<arch>/, ending in ".cu.j2"
+    params: Mapping[str, Any] = field(default_factory=dict)  # JSON-serializable template variables
+
+    def __post_init__(self):
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+
+
+# Flags that select the architecture; the rest of the nvcc command line is in build.py.
+ARCH_FLAGS = {
+    "sm90": ("-gencode=arch=compute_90a,code=sm_90a",),
+}
+
+KERNELS = {
+    "sm90": [
+        KernelConfig("routing", "routing.cu.j2"),
+    ],
+}

@@ -1,0 +1,42 @@
+"""Per-object resource facts from `ptxas -v` and the SASS (HGMMA or not)."""
+
+import re
+import subprocess
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PROPS = re.compile(r"Function properties for (\S+)")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(log: str) -> list:
+    """Entry functions with registers, shared memory, stack and spill bytes."""
+    kernels, current, props_of = {}, None, None
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            current = kernels.setdefault(m[1], {"name": m[1]})
+        elif m := _PROPS.search(line):
+            props_of = m[1]
+        elif (m := _FRAME.search(line)) and props_of in kernels:
+            kernels[props_of].update(stack_bytes=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]))
+        elif (m := _USED.search(line)) and current is not None:
+            smem = _SMEM.search(line)
+            current.update(registers=int(m[1]), smem_bytes=int(smem[1]) if smem else 0)
+    return [kernels[name] for name in sorted(kernels)]
+
+
+def has_hgmma(cuobjdump: str | None, obj: str) -> bool | None:
+    """Whether the object's SASS uses warpgroup MMA; None without cuobjdump."""
+    if cuobjdump is None:
+        return None
+    sass = subprocess.run([cuobjdump, "--dump-sass", obj], capture_output=True, text=True, check=True).stdout
+    return "HGMMA" in sass
+
+
+def summarize(kernels: list) -> dict:
+    return {
+        "max_registers": max((k.get("registers", 0) for k in kernels), default=0),
+        "spill_bytes": sum(k.get("spill_stores", 0) + k.get("spill_loads", 0) for k in kernels),
+        "max_smem_bytes": max((k.get("smem_bytes", 0) for k in kernels), default=0),
+    }

@@ -1,0 +1,455 @@
+// Routing kernels of the MoE layer: expand (sort slots by expert, gather rows) and
+// finalize (sum each token's k expert rows back in token order).
+//
+// A slot is one (token t, choice j) pair, slot = t * top_k + j. "Rows" are slots in
+// expert order: row r of expert e lies in [offsets[e], offsets[e + 1]).
+//
+// Determinism: no atomics at all. Every count comes from warp-level matching
+// (__match_any_sync) and fixed-order sums, so results never depend on timing.
+//
+// Meant for exactly one translation unit (the rendered routing.cu): finalize_kernel has
+// external linkage.
+#pragma once
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace moe_cutlass {
+namespace routing {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxExperts = 512;
+// Up to this many slots one launch does everything: every block redoes the (cheap)
+// routing in shared memory and gathers its share of rows. Launch latency dominates here.
+constexpr int kSmallSlots = 2048;
+// Larger inputs are cut into tiles of this many slots (count, prefix, scatter, gather).
+constexpr int kTileSlots = 4096;
+constexpr int kMaxSmallBlocks = 256;
+constexpr int kMaxStreamBlocks = 4096;
+// 16-byte chunks each thread moves per loop trip; independent loads keep bytes in flight.
+constexpr int kChunksPerTrip = 4;
+constexpr int kBf16PerChunk = 8;
+
+static_assert(kMaxExperts % kThreads == 0, "block scan assumes whole experts per thread");
+
+template <typename IdT>
+struct ExpandArgs {
+  const IdT* topk_ids;
+  const float* topk_weights;
+  const int32_t* expert_map;  // nullptr: ids are local already
+  int64_t num_global_experts;
+  int num_slots;
+  int top_k;
+  int num_experts;
+  const __nv_bfloat16* hidden;
+  int64_t hidden_stride;
+  int64_t chunks_per_row;
+  int32_t* expert_counts;
+  int32_t* expert_offsets;
+  int32_t* sorted_slots;
+  int32_t* slot_to_row;
+  __nv_bfloat16* gathered;
+  int64_t gathered_stride;
+  float* row_weights;
+  int32_t* tile_prefix;  // [num_tiles][num_experts], large path only
+};
+
+// Local expert of a slot, or -1 when the slot is dropped. Every index is range-checked
+// before it is used, so no id can cause an out-of-bounds access.
+template <typename IdT>
+__device__ __forceinline__ int local_expert(const ExpandArgs<IdT>& a, int slot) {
+  int64_t id = static_cast<int64_t>(a.topk_ids[slot]);
+  if (a.expert_map != nullptr) {
+    if (id < 0 || id >= a.num_global_experts) return -1;
+    id = __ldg(a.expert_map + id);
+  }
+  return (id >= 0 && id < a.num_experts) ? static_cast<int>(id) : -1;
+}
+
+template <typename IdT>
+__device__ void load_tile_experts(const ExpandArgs<IdT>& a, int begin, int len, int* tile_expert) {
+  for (int i = threadIdx.x; i < len; i += kThreads) tile_expert[i] = local_expert(a, begin + i);
+}
+
+__device__ __forceinline__ void zero_warp_hist(int* hist) {
+  for (int i = threadIdx.x; i < kWarps * kMaxExperts; i += kThreads) hist[i] = 0;
+}
+
+// Each warp owns one contiguous part of the tile; walking it in slot order is what makes
+// the ranks stable.
+__device__ __forceinline__ void warp_range(int len, int* begin, int* end) {
+  const int per_warp = (len + kWarps - 1) / kWarps;
+  const int warp = threadIdx.x / 32;
+  *begin = min(warp * per_warp, len);
+  *end = min(*begin + per_warp, len);
+}
+
+// hist[w][e] = number of slots of expert e in warp w's part of the tile.
+__device__ inline void count_per_warp(const int* tile_expert, int len, int* hist) {
+  int begin, end;
+  warp_range(len, &begin, &end);
+  const int lane = threadIdx.x % 32;
+  int* warp_hist = hist + (threadIdx.x / 32) * kMaxExperts;
+  for (int base = begin; base < end; base += 32) {  // warp-uniform trip count
+    const int s = base + lane;
+    const int e = s < end ? tile_expert[s] : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    if (e >= 0 && lane == 31 - __clz(peers)) warp_hist[e] += __popc(peers);
+    __syncwarp();
+  }
+}
+
+// Replaces hist[w][e] by the first row of expert e for warp w: base(e) plus the counts
+// of the warps before w.
+template <typename BaseFn>
+__device__ void warp_counts_to_bases(int* hist, int num_experts, BaseFn base) {
+  for (int e = threadIdx.x; e < num_experts; e += kThreads) {
+    int running = base(e);
+    for (int w = 0; w < kWarps; ++w) {
+      const int c = hist[w * kMaxExperts + e];
+      hist[w * kMaxExperts + e] = running;
+      running += c;
+    }
+  }
+}
+
+__device__ __forceinline__ int sum_over_warps(const int* hist, int e) {
+  int total = 0;
+  for (int w = 0; w < kWarps; ++w) total += hist[w * kMaxExperts + e];
+  return total;
+}
+
+// Calls emit(local_slot, row) for every slot of the tile, row = -1 for dropped slots.
+// hist must hold the bases from warp_counts_to_bases.
+template <typename Emit>
+__device__ void rank_per_warp(const int* tile_expert, int len, int* hist, Emit emit) {
+  int begin, end;
+  warp_range(len, &begin, &end);
+  const int lane = threadIdx.x % 32;
+  const unsigned lanes_below = (1u << lane) - 1u;
+  int* warp_base = hist + (threadIdx.x / 32) * kMaxExperts;
+  for (int base = begin; base < end; base += 32) {
+    const int s = base + lane;
+    const int e = s < end ? tile_expert[s] : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    if (s < end) emit(s, e >= 0 ? warp_base[e] + __popc(peers & lanes_below) : -1);
+    __syncwarp();  // every lane has read warp_base[e] before its leader advances it
+    if (e >= 0 && lane == 31 - __clz(peers)) warp_base[e] += __popc(peers);
+    __syncwarp();
+  }
+}
+
+// offsets[e] = sum of counts[0..e), offsets[num_experts] = total. counts must be visible
+// to the whole block; ends with a barrier.
+__device__ inline void block_exclusive_scan(const int* counts, int* offsets, int num_experts) {
+  constexpr int kPerThread = kMaxExperts / kThreads;
+  __shared__ int warp_totals[kWarps];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int first = threadIdx.x * kPerThread;
+  int local[kPerThread];
+  int sum = 0;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    local[i] = first + i < num_experts ? counts[first + i] : 0;
+    sum += local[i];
+  }
+  int inclusive = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += v;
+  }
+  if (lane == 31) warp_totals[warp] = inclusive;
+  __syncthreads();
+  int running = inclusive - sum;
+  for (int w = 0; w < warp; ++w) running += warp_totals[w];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    if (first + i < num_experts) offsets[first + i] = running;
+    running += local[i];
+  }
+  if (threadIdx.x == kThreads - 1) offsets[num_experts] = running;  // experts past the end count 0
+  __syncthreads();
+}
+
+// gathered[r] = hidden[sorted[r] / top_k] for r < total, 16-byte chunks, grid-strided.
+template <typename IdT>
+__device__ void gather_rows(const ExpandArgs<IdT>& a, const int* sorted, int total, int64_t first,
+                            int64_t step) {
+  const int64_t cpr = a.chunks_per_row;
+  const int64_t n = static_cast<int64_t>(total) * cpr;
+  for (int64_t i = first; i < n; i += kChunksPerTrip * step) {
+    uint4 v[kChunksPerTrip];
+    int64_t dst[kChunksPerTrip];
+#pragma unroll
+    for (int u = 0; u < kChunksPerTrip; ++u) {
+      const int64_t idx = i + u * step;
+      if (idx < n) {
+        const int64_t r = idx / cpr;
+        const int64_t c = idx - r * cpr;
+        const int64_t token = sorted[r] / a.top_k;
+        v[u] = __ldg(reinterpret_cast<const uint4*>(a.hidden + token * a.hidden_stride) + c);
+        dst[u] = r * a.gathered_stride + c * kBf16PerChunk;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kChunksPerTrip; ++u) {
+      if (i + u * step < n) *reinterpret_cast<uint4*>(a.gathered + dst[u]) = v[u];
+    }
+  }
+}
+
+// Small inputs, one launch: every block computes the whole routing in shared memory,
+// block 0 publishes the maps, and all blocks gather.
+template <typename IdT>
+__global__ void __launch_bounds__(kThreads) expand_small_kernel(ExpandArgs<IdT> a) {
+  __shared__ int tile_expert[kSmallSlots];
+  __shared__ int sorted[kSmallSlots];
+  __shared__ int hist[kWarps * kMaxExperts];
+  __shared__ int counts[kMaxExperts];
+  __shared__ int offsets[kMaxExperts + 1];
+  const int E = a.num_experts;
+  const bool publish = blockIdx.x == 0;
+
+  zero_warp_hist(hist);
+  load_tile_experts(a, 0, a.num_slots, tile_expert);
+  __syncthreads();
+  count_per_warp(tile_expert, a.num_slots, hist);
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += kThreads) counts[e] = sum_over_warps(hist, e);
+  __syncthreads();
+  block_exclusive_scan(counts, offsets, E);
+  if (publish) {
+    for (int e = threadIdx.x; e < E; e += kThreads) a.expert_counts[e] = counts[e];
+    for (int e = threadIdx.x; e <= E; e += kThreads) a.expert_offsets[e] = offsets[e];
+  }
+  warp_counts_to_bases(hist, E, [&](int e) { return offsets[e]; });
+  __syncthreads();
+  rank_per_warp(tile_expert, a.num_slots, hist, [&](int s, int row) {
+    if (row >= 0) sorted[row] = s;
+    if (publish) {
+      a.slot_to_row[s] = row;
+      if (row >= 0) {
+        a.sorted_slots[row] = s;
+        a.row_weights[row] = a.topk_weights[s];
+      }
+    }
+  });
+  __syncthreads();
+  gather_rows(a, sorted, offsets[E], static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x,
+              static_cast<int64_t>(gridDim.x) * kThreads);
+}
+
+__device__ __forceinline__ int tile_begin() { return blockIdx.x * kTileSlots; }
+
+template <typename IdT>
+__device__ __forceinline__ int tile_len(const ExpandArgs<IdT>& a) {
+  return min(kTileSlots, a.num_slots - tile_begin());
+}
+
+// Large path 1/4: tile_prefix[b][e] = slots of expert e in tile b.
+template <typename IdT>
+__global__ void __launch_bounds__(kThreads) expand_count_kernel(ExpandArgs<IdT> a) {
+  __shared__ int tile_expert[kTileSlots];
+  __shared__ int hist[kWarps * kMaxExperts];
+  const int len = tile_len(a);
+  zero_warp_hist(hist);
+  load_tile_experts(a, tile_begin(), len, tile_expert);
+  __syncthreads();
+  count_per_warp(tile_expert, len, hist);
+  __syncthreads();
+  int32_t* tile_counts = a.tile_prefix + static_cast<int64_t>(blockIdx.x) * a.num_experts;
+  for (int e = threadIdx.x; e < a.num_experts; e += kThreads) tile_counts[e] = sum_over_warps(hist, e);
+}
+
+// Large path 2/4 (one block): tile counts -> exclusive prefix over tiles per expert,
+// expert counts and offsets.
+template <typename IdT>
+__global__ void __launch_bounds__(kThreads) expand_prefix_kernel(ExpandArgs<IdT> a, int num_tiles) {
+  __shared__ int counts[kMaxExperts];
+  __shared__ int offsets[kMaxExperts + 1];
+  const int E = a.num_experts;
+  for (int e = threadIdx.x; e < E; e += kThreads) {
+    int running = 0;
+#pragma unroll 8
+    for (int b = 0; b < num_tiles; ++b) {
+      int32_t* p = a.tile_prefix + static_cast<int64_t>(b) * E + e;
+      const int c = *p;
+      *p = running;
+      running += c;
+    }
+    counts[e] = running;
+  }
+  __syncthreads();
+  block_exclusive_scan(counts, offsets, E);
+  for (int e = threadIdx.x; e < E; e += kThreads) a.expert_counts[e] = counts[e];
+  for (int e = threadIdx.x; e <= E; e += kThreads) a.expert_offsets[e] = offsets[e];
+}
+
+// Large path 3/4: stable rows of the tile's slots; writes the maps and row weights.
+template <typename IdT>
+__global__ void __launch_bounds__(kThreads) expand_scatter_kernel(ExpandArgs<IdT> a) {
+  __shared__ int tile_expert[kTileSlots];
+  __shared__ int hist[kWarps * kMaxExperts];
+  const int begin = tile_begin();
+  const int len = tile_len(a);
+  const int32_t* tile_prefix = a.tile_prefix + static_cast<int64_t>(blockIdx.x) * a.num_experts;
+  zero_warp_hist(hist);
+  load_tile_experts(a, begin, len, tile_expert);
+  __syncthreads();
+  count_per_warp(tile_expert, len, hist);
+  __syncthreads();
+  warp_counts_to_bases(hist, a.num_experts, [&](int e) { return a.expert_offsets[e] + tile_prefix[e]; });
+  __syncthreads();
+  rank_per_warp(tile_expert, len, hist, [&](int s, int row) {
+    const int slot = begin + s;
+    a.slot_to_row[slot] = row;
+    if (row >= 0) {
+      a.sorted_slots[row] = slot;
+      a.row_weights[row] = a.topk_weights[slot];
+    }
+  });
+}
+
+// Large path 4/4: gather the rows; the row count is read on the device.
+template <typename IdT>
+__global__ void __launch_bounds__(kThreads) expand_gather_kernel(ExpandArgs<IdT> a) {
+  gather_rows(a, a.sorted_slots, a.expert_offsets[a.num_experts],
+              static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x,
+              static_cast<int64_t>(gridDim.x) * kThreads);
+}
+
+inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Grid for `items` of grid-strided work, `per_block` items per block and trip.
+inline int grid_blocks(int64_t items, int64_t per_block, int max_blocks) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((items + per_block - 1) / per_block, max_blocks)));
+}
+
+inline int64_t expand_workspace_ints(int64_t num_tokens, int top_k, int num_experts) {
+  const int64_t slots = num_tokens * top_k;
+  if (slots <= kSmallSlots) return 0;
+  return ((slots + kTileSlots - 1) / kTileSlots) * num_experts;
+}
+
+template <typename IdT>
+int expand(const IdT* topk_ids, const float* topk_weights, int64_t num_tokens, int top_k,
+           const int32_t* expert_map, int64_t num_global_experts, int num_experts,
+           const void* hidden, int64_t hidden_stride, int64_t hidden_size, int32_t* expert_counts,
+           int32_t* expert_offsets, int32_t* sorted_slots, int32_t* slot_to_row, void* gathered,
+           int64_t gathered_stride, float* row_weights, int32_t* workspace, int64_t workspace_ints,
+           cudaStream_t stream) {
+  const bool bad_sizes = num_tokens < 0 || top_k < 1 || num_experts < 1 || num_experts > kMaxExperts ||
+                         hidden_size <= 0 || hidden_size % kBf16PerChunk != 0 ||
+                         num_tokens * top_k > INT_MAX || (expert_map != nullptr && num_global_experts < 0);
+  const bool bad_rows = hidden_stride < hidden_size || gathered_stride < hidden_size ||
+                        hidden_stride % kBf16PerChunk != 0 || gathered_stride % kBf16PerChunk != 0 ||
+                        !aligned16(hidden) || !aligned16(gathered);
+  if (bad_sizes || bad_rows || expert_counts == nullptr || expert_offsets == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  ExpandArgs<IdT> a{topk_ids, topk_weights, expert_map, num_global_experts,
+                    static_cast<int>(num_tokens * top_k), top_k, num_experts,
+                    static_cast<const __nv_bfloat16*>(hidden), hidden_stride,
+                    hidden_size / kBf16PerChunk, expert_counts, expert_offsets, sorted_slots,
+                    slot_to_row, static_cast<__nv_bfloat16*>(gathered), gathered_stride,
+                    row_weights, workspace};
+  const int64_t all_chunks = static_cast<int64_t>(a.num_slots) * a.chunks_per_row;
+  constexpr int64_t kGatherChunksPerBlock = static_cast<int64_t>(kThreads) * kChunksPerTrip;
+  if (a.num_slots <= kSmallSlots) {
+    expand_small_kernel<IdT>
+        <<<grid_blocks(all_chunks, kGatherChunksPerBlock, kMaxSmallBlocks), kThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+  }
+  const int num_tiles = ceil_div(a.num_slots, kTileSlots);
+  if (workspace == nullptr || workspace_ints < expand_workspace_ints(num_tokens, top_k, num_experts)) {
+    return cudaErrorInvalidValue;
+  }
+  expand_count_kernel<IdT><<<num_tiles, kThreads, 0, stream>>>(a);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  expand_prefix_kernel<IdT><<<1, kThreads, 0, stream>>>(a, num_tiles);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  expand_scatter_kernel<IdT><<<num_tiles, kThreads, 0, stream>>>(a);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  expand_gather_kernel<IdT>
+      <<<grid_blocks(all_chunks, kGatherChunksPerBlock, kMaxStreamBlocks), kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+struct FinalizeArgs {
+  const __nv_bfloat16* rows;
+  int64_t rows_stride;
+  int64_t num_rows;
+  const int32_t* slot_to_row;
+  int64_t num_tokens;
+  int top_k;
+  int64_t chunks_per_row;
+  float routed_scaling_factor;
+  __nv_bfloat16* out;
+  int64_t out_stride;
+};
+
+// One thread per 16-byte chunk of an output row: fp32 sum over j in order 0..k-1, then
+// one multiply by the scaling factor and one rounding to bf16.
+__global__ void __launch_bounds__(kThreads) finalize_kernel(FinalizeArgs a) {
+  const int64_t n = a.num_tokens * a.chunks_per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t t = i / a.chunks_per_row;
+    const int64_t c = i - t * a.chunks_per_row;
+    float acc[kBf16PerChunk];
+#pragma unroll
+    for (int q = 0; q < kBf16PerChunk; ++q) acc[q] = 0.0f;
+    for (int j = 0; j < a.top_k; ++j) {
+      const int row = __ldg(a.slot_to_row + t * a.top_k + j);
+      if (row < 0 || row >= a.num_rows) continue;
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(a.rows + row * a.rows_stride) + c);
+      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+      for (int q = 0; q < kBf16PerChunk / 2; ++q) {
+        const float2 f = __bfloat1622float2(pairs[q]);
+        acc[2 * q] += f.x;
+        acc[2 * q + 1] += f.y;
+      }
+    }
+    uint4 packed;
+    __nv_bfloat162* out_pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+    for (int q = 0; q < kBf16PerChunk / 2; ++q) {
+      out_pairs[q] = __floats2bfloat162_rn(__fmul_rn(acc[2 * q], a.routed_scaling_factor),
+                                           __fmul_rn(acc[2 * q + 1], a.routed_scaling_factor));
+    }
+    *(reinterpret_cast<uint4*>(a.out + t * a.out_stride) + c) = packed;
+  }
+}
+
+inline int finalize(const void* rows, int64_t rows_stride, int64_t num_rows, const int32_t* slot_to_row,
+                    int64_t num_tokens, int top_k, int64_t hidden_size, float routed_scaling_factor,
+                    void* out, int64_t out_stride, cudaStream_t stream) {
+  if (num_tokens < 0 || top_k < 1 || num_rows < 0 || hidden_size <= 0 ||
+      hidden_size % kBf16PerChunk != 0 || rows_stride < hidden_size || out_stride < hidden_size ||
+      rows_stride % kBf16PerChunk != 0 || out_stride % kBf16PerChunk != 0 || !aligned16(rows) ||
+      !aligned16(out)) {
+    return cudaErrorInvalidValue;
+  }
+  if (num_tokens == 0) return cudaSuccess;
+  FinalizeArgs a{static_cast<const __nv_bfloat16*>(rows), rows_stride, num_rows, slot_to_row,
+                 num_tokens, top_k, hidden_size / kBf16PerChunk, routed_scaling_factor,
+                 static_cast<__nv_bfloat16*>(out), out_stride};
+  finalize_kernel<<<grid_blocks(num_tokens * a.chunks_per_row, kThreads, kMaxStreamBlocks), kThreads,
+                    0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace routing
+}  // namespace moe_cutlass
