@@ -1,0 +1,212 @@
+"""torch ops over the routing kernels: moe_cutlass::expand and moe_cutlass::finalize.
+
+Both write into tensors the caller passes (declared in mutates_args), so a layer can
+allocate RoutingBuffers once for its largest batch and reuse views of them: no memory is
+allocated per call, nothing is read back to the host, and both ops can be captured in a
+CUDA graph. Arguments are validated before anything is launched.
+"""
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+from . import _lib
+from ._checks import check_float, check_int, check_tensor
+from ._device import require_sm90
+
+MAX_EXPERTS = 512  # routing.cuh kMaxExperts
+_VECTOR_BF16 = 8  # bf16 elements per 16-byte vector access
+_MAX_SLOTS = 2**31 - 1  # rows are int32
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    """bf16 rows read/written with 16-byte vectors: unit column stride, aligned rows."""
+    if t.stride(1) != 1 or t.stride(0) % _VECTOR_BF16 != 0 or t.stride(0) < t.shape[1]:
+        raise ValueError(f"{name}: expected rows with unit column stride and a row stride that is a multiple of "
+                         f"{_VECTOR_BF16} elements, got strides {list(t.stride())}")
+
+
+def _check_aligned(**tensors) -> None:
+    # Real tensors only: fake tensors (torch.compile tracing) have no address.
+    for name, t in tensors.items():
+        if t.data_ptr() % 16 != 0:
+            raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
+
+
+def _check_expand(hidden, topk_ids, topk_weights, expert_map, num_experts, expert_counts, expert_offsets,
+                  sorted_slots, slot_to_row, gathered, row_weights, workspace):
+    check_tensor("hidden", hidden, dtype=torch.bfloat16, ndim=2, device="cuda")
+    dev = hidden.device
+    M, H = hidden.shape
+    if H == 0 or H % _VECTOR_BF16 != 0:
+        raise ValueError(f"hidden: expected a hidden size that is a positive multiple of {_VECTOR_BF16}, got {H}")
+    _check_rows("hidden", hidden)
+    check_tensor("topk_ids", topk_ids, dtype=(torch.int32, torch.int64), shape=(M, "k"), device=dev, contiguous=True)
+    k = topk_ids.shape[1]
+    check_int("topk_ids.shape[1] (top_k)", k, 1)
+    check_int("number of slots M * top_k", M * k, 0, _MAX_SLOTS)
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(M, k), device=dev, contiguous=True)
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, dtype=torch.int32, ndim=1, device=dev, contiguous=True)
+        if expert_map.numel() == 0:  # the kernel reads a NULL map as "no map"
+            raise ValueError("expert_map: expected at least one entry (global experts), got an empty tensor")
+    check_int("num_experts", num_experts, 1, MAX_EXPERTS)
+    for name, t, dtype, shape in (
+        ("expert_counts", expert_counts, torch.int32, (num_experts,)),
+        ("expert_offsets", expert_offsets, torch.int32, (num_experts + 1,)),
+        ("sorted_slots", sorted_slots, torch.int32, (M * k,)),
+        ("slot_to_row", slot_to_row, torch.int32, (M * k,)),
+        ("row_weights", row_weights, torch.float32, (M * k,)),
+        ("workspace", workspace, torch.int32, ("n",)),
+    ):
+        check_tensor(name, t, dtype=dtype, shape=shape, device=dev, contiguous=True)
+    check_tensor("gathered", gathered, dtype=torch.bfloat16, shape=(M * k, H), device=dev)
+    _check_rows("gathered", gathered)
+
+
+def expand_workspace_numel(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """int32 elements of expand's workspace for this many tokens (0 for small inputs)."""
+    return _lib.call("mc_expand_workspace_ints", num_tokens, top_k, num_experts)
+
+
+@torch.library.custom_op(
+    "moe_cutlass::expand",
+    mutates_args=("expert_counts", "expert_offsets", "sorted_slots", "slot_to_row", "gathered", "row_weights",
+                  "workspace"),
+)
+def expand(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+           expert_map: Optional[torch.Tensor], num_experts: int, expert_counts: torch.Tensor,
+           expert_offsets: torch.Tensor, sorted_slots: torch.Tensor, slot_to_row: torch.Tensor,
+           gathered: torch.Tensor, row_weights: torch.Tensor, workspace: torch.Tensor) -> None:
+    """Sorts the M*k slots (t*k + j) by local expert, stably, and gathers hidden rows in that order.
+
+    Writes expert_counts [E], expert_offsets [E+1] (offsets[E] = kept slots), sorted_slots
+    and slot_to_row [M*k] (-1 for dropped slots), gathered [M*k, H] (rows >= offsets[E]
+    untouched) and row_weights [M*k]. Ids < 0 or >= E, or mapped to -1 / out of range of
+    expert_map (global id -> local id), are dropped.
+    """
+    _check_expand(hidden, topk_ids, topk_weights, expert_map, num_experts, expert_counts, expert_offsets,
+                  sorted_slots, slot_to_row, gathered, row_weights, workspace)
+    _check_aligned(hidden=hidden, gathered=gathered)
+    M, k = topk_ids.shape
+    if M == 0:  # nothing to sort: the counts and offsets are zeros
+        expert_counts.zero_()
+        expert_offsets.zero_()
+        return
+    require_sm90(hidden.device)
+    needed = expand_workspace_numel(M, k, num_experts)
+    if workspace.numel() < needed:
+        raise ValueError(f"workspace: expected at least {needed} int32 elements for M={M}, k={k}, "
+                         f"E={num_experts}, got {workspace.numel()}")
+    symbol = "mc_expand_i32" if topk_ids.dtype == torch.int32 else "mc_expand_i64"
+    with torch.cuda.device(hidden.device):
+        _lib.call(
+            symbol,
+            topk_ids.data_ptr(), topk_weights.data_ptr(), M, k,
+            None if expert_map is None else expert_map.data_ptr(),
+            0 if expert_map is None else expert_map.numel(), num_experts,
+            hidden.data_ptr(), hidden.stride(0), hidden.shape[1],
+            expert_counts.data_ptr(), expert_offsets.data_ptr(), sorted_slots.data_ptr(), slot_to_row.data_ptr(),
+            gathered.data_ptr(), gathered.stride(0), row_weights.data_ptr(),
+            workspace.data_ptr(), workspace.numel(),
+            torch.cuda.current_stream().cuda_stream,
+        )
+
+
+@expand.register_fake
+def _(hidden, topk_ids, topk_weights, expert_map, num_experts, expert_counts, expert_offsets, sorted_slots,
+      slot_to_row, gathered, row_weights, workspace):
+    _check_expand(hidden, topk_ids, topk_weights, expert_map, num_experts, expert_counts, expert_offsets,
+                  sorted_slots, slot_to_row, gathered, row_weights, workspace)
+
+
+def _check_finalize(rows, slot_to_row, top_k, routed_scaling_factor, out):
+    check_tensor("out", out, dtype=torch.bfloat16, ndim=2, device="cuda")
+    dev = out.device
+    M, H = out.shape
+    if H == 0 or H % _VECTOR_BF16 != 0:
+        raise ValueError(f"out: expected a hidden size that is a positive multiple of {_VECTOR_BF16}, got {H}")
+    _check_rows("out", out)
+    check_tensor("rows", rows, dtype=torch.bfloat16, shape=("R", H), device=dev)
+    _check_rows("rows", rows)
+    check_int("top_k", top_k, 1)
+    check_float("routed_scaling_factor", routed_scaling_factor)
+    check_tensor("slot_to_row", slot_to_row, dtype=torch.int32, shape=(M * top_k,), device=dev, contiguous=True)
+
+
+@torch.library.custom_op("moe_cutlass::finalize", mutates_args=("out",))
+def finalize(rows: torch.Tensor, slot_to_row: torch.Tensor, top_k: int, routed_scaling_factor: float,
+             out: torch.Tensor) -> None:
+    """out[t] = routed_scaling_factor * sum_j rows[slot_to_row[t*k + j]] (j ascending, float32,
+    slots < 0 skipped; a token with no kept slot gets zeros), out [M, H] bf16, rows [R, H] bf16."""
+    _check_finalize(rows, slot_to_row, top_k, routed_scaling_factor, out)
+    _check_aligned(rows=rows, out=out)
+    M = out.shape[0]
+    if M == 0:
+        return
+    require_sm90(out.device)
+    with torch.cuda.device(out.device):
+        _lib.call(
+            "mc_finalize",
+            rows.data_ptr(), rows.stride(0), rows.shape[0], slot_to_row.data_ptr(), M, top_k, out.shape[1],
+            float(routed_scaling_factor), out.data_ptr(), out.stride(0),
+            torch.cuda.current_stream().cuda_stream,
+        )
+
+
+@finalize.register_fake
+def _(rows, slot_to_row, top_k, routed_scaling_factor, out):
+    _check_finalize(rows, slot_to_row, top_k, routed_scaling_factor, out)
+
+
+@dataclass(frozen=True)
+class RoutingBuffers:
+    """expand's outputs and workspace, sized once for up to max_tokens and then reused."""
+
+    top_k: int
+    expert_counts: torch.Tensor  # int32 [E]
+    expert_offsets: torch.Tensor  # int32 [E + 1]
+    sorted_slots: torch.Tensor  # int32 [max_tokens * k]
+    slot_to_row: torch.Tensor  # int32 [max_tokens * k]
+    gathered: torch.Tensor  # bf16 [max_tokens * k, H]
+    row_weights: torch.Tensor  # float32 [max_tokens * k]
+    workspace: torch.Tensor  # int32, expand_workspace_numel(max_tokens, k, E) (at least 1)
+
+    @classmethod
+    def allocate(cls, max_tokens: int, top_k: int, num_experts: int, hidden_size: int, device) -> "RoutingBuffers":
+        check_int("max_tokens", max_tokens, 0)
+        check_int("top_k", top_k, 1)
+        check_int("num_experts", num_experts, 1, MAX_EXPERTS)
+        slots = max_tokens * top_k
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            top_k=top_k,
+            expert_counts=torch.empty(num_experts, **i32),
+            expert_offsets=torch.empty(num_experts + 1, **i32),
+            sorted_slots=torch.empty(slots, **i32),
+            slot_to_row=torch.empty(slots, **i32),
+            gathered=torch.empty(slots, hidden_size, dtype=torch.bfloat16, device=device),
+            row_weights=torch.empty(slots, dtype=torch.float32, device=device),
+            workspace=torch.empty(max(1, expand_workspace_numel(max_tokens, top_k, num_experts)), **i32),
+        )
+
+    def for_tokens(self, num_tokens: int) -> "RoutingBuffers":
+        """Views sized for num_tokens <= max_tokens (no copy, no allocation)."""
+        check_int("num_tokens", num_tokens, 0, self.slot_to_row.numel() // self.top_k)
+        slots = num_tokens * self.top_k
+        per_slot = ("sorted_slots", "slot_to_row", "gathered", "row_weights")
+        return RoutingBuffers(**{f.name: getattr(self, f.name)[:slots] if f.name in per_slot else getattr(self, f.name)
+                                 for f in fields(self)})
+
+
+def expand_into(buffers: RoutingBuffers, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                num_experts: int, expert_map: Optional[torch.Tensor] = None) -> RoutingBuffers:
+    """Runs expand into views of `buffers` sized for hidden's tokens; returns those views."""
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.ndim != 2 or topk_ids.shape[1] != buffers.top_k:
+        raise ValueError(f"topk_ids: expected a tensor of shape [M, {buffers.top_k}] (the buffers' top_k), got "
+                         f"{getattr(topk_ids, 'shape', type(topk_ids).__name__)}")
+    view = buffers.for_tokens(topk_ids.shape[0])
+    expand(hidden, topk_ids, topk_weights, expert_map, num_experts, view.expert_counts, view.expert_offsets,
+           view.sorted_slots, view.slot_to_row, view.gathered, view.row_weights, view.workspace)
+    return view
