@@ -1,0 +1,179 @@
+"""The generator: committed output is current, CLI errors are clear, the cache keys on
+content, and a real nvcc build of the routing kernels links and then hits the cache."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from codegen import cache, render
+from codegen.build import build
+from codegen.configs import KERNELS, KernelConfig
+from codegen.paths import REPO_ROOT, generated_dir, templates_dir
+from moe_cutlass import _lib
+
+ARCH = "sm90"
+
+
+def codegen_cli(*args):
+    return subprocess.run([sys.executable, "-m", "codegen", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+
+
+def test_committed_generated_matches_templates(tmp_path):
+    render.write(render.render(ARCH), tmp_path)
+    committed = sorted(p.name for p in generated_dir(ARCH).iterdir() if p.is_file())
+    assert sorted(p.name for p in tmp_path.iterdir()) == committed, "run `python -m codegen --render-only`"
+    for name in committed:
+        assert (tmp_path / name).read_bytes() == (generated_dir(ARCH) / name).read_bytes(), (
+            f"generated/{ARCH}/{name} is stale: run `python -m codegen --arch {ARCH} --render-only`")
+
+
+def test_render_is_deterministic_and_bannered():
+    first, second = render.render(ARCH).files, render.render(ARCH).files
+    assert first == second
+    for name, text in first.items():
+        assert "do not edit" in text.lower(), name
+
+
+def test_write_removes_stale_files(tmp_path):
+    (tmp_path / "old_kernel.cu").write_text("stale")
+    render.write(render.render(ARCH), tmp_path)
+    assert not (tmp_path / "old_kernel.cu").exists()
+
+
+def test_header_lists_every_exported_function_and_is_plain_c(tmp_path):
+    files = render.render(ARCH).files
+    manifest = json.loads(files[render.MANIFEST])
+    header = files[render.header_name(ARCH)]
+    for kernel in manifest["kernels"]:
+        for fn in kernel["functions"]:
+            assert f"{fn['name']}(" in header
+            _lib.ctype_of(fn["return"])  # every type the ABI uses has a ctypes mapping
+            for p in fn["params"]:
+                _lib.ctype_of(p["type"])
+    nvcc = shutil.which("nvcc")
+    cuda_homes = [os.environ.get("CUDA_HOME"), nvcc and Path(os.path.realpath(nvcc)).parent.parent, "/usr/local/cuda"]
+    includes = [Path(h) / "include" for h in cuda_homes if h and (Path(h) / "include" / "cuda_runtime_api.h").is_file()]
+    if not includes or shutil.which("cc") is None:
+        pytest.skip("no CUDA headers or C compiler to compile the header as C")
+    (tmp_path / render.header_name(ARCH)).write_text(header)
+    (tmp_path / "use.c").write_text(f'#include "{render.header_name(ARCH)}"\n')
+    subprocess.run(["cc", "-fsyntax-only", "-Wall", "-Werror", f"-I{includes[0]}", str(tmp_path / "use.c")], check=True)
+
+
+def test_routing_abi():
+    manifest = json.loads(render.render(ARCH).files[render.MANIFEST])
+    routing = next(k for k in manifest["kernels"] if k["name"] == "routing")
+    names = [fn["name"] for fn in routing["functions"]]
+    assert names == ["mc_expand_i32", "mc_expand_i64", "mc_expand_workspace_ints", "mc_finalize", "mc_error_string"]
+    for fn in routing["functions"]:
+        if fn["return"] == "int":  # status-returning launchers take the stream last
+            assert fn["params"][-1]["type"] == "cudaStream_t", fn["name"]
+
+
+def test_list_shows_the_table():
+    proc = codegen_cli("--arch", ARCH, "--list")
+    assert proc.returncode == 0, proc.stderr
+    for cfg in KERNELS[ARCH]:
+        assert cfg.name in proc.stdout and cfg.template in proc.stdout
+
+
+def test_unknown_arch_names_the_valid_ones():
+    proc = codegen_cli("--arch", "sm75", "--list")
+    assert proc.returncode != 0
+    assert "sm75" in proc.stderr and ARCH in proc.stderr
+
+
+def test_unknown_config_names_the_valid_ones():
+    proc = codegen_cli("--arch", ARCH, "--only", "routing,no_such_kernel")  # fails before rendering anything
+    assert proc.returncode != 0
+    assert "no_such_kernel" in proc.stderr and "routing" in proc.stderr
+
+
+def test_table_errors_are_clear(monkeypatch):
+    monkeypatch.setitem(KERNELS, ARCH, [KernelConfig("routing", "routing.cu.j2")] * 2)
+    with pytest.raises(render.ConfigError, match="twice"):
+        render.render(ARCH)
+    monkeypatch.setitem(KERNELS, ARCH, [KernelConfig("routing", "routing.cu")])
+    with pytest.raises(render.ConfigError, match=r"\.cu\.j2"):
+        render.render(ARCH)
+
+
+def test_parse_declarations():
+    fns = render.parse_declarations(
+        "/* c */ int f(const int32_t * a, void *b, cudaStream_t s);\nconst char *g(void); // x\n", "t")
+    assert fns == [
+        {"name": "f", "return": "int", "params": [
+            {"type": "const int32_t*", "name": "a"}, {"type": "void*", "name": "b"},
+            {"type": "cudaStream_t", "name": "s"}]},
+        {"name": "g", "return": "const char*", "params": []},
+    ]
+    with pytest.raises(render.ConfigError):
+        render.parse_declarations("int f(int);", "t")  # unnamed parameter
+
+
+def _routing_source(templates):
+    return render.render(ARCH, templates=templates).files["routing.cu"]
+
+
+def test_cache_key_follows_content(tmp_path):
+    header = tmp_path / "dep.h"
+    header.write_text("#define A 1\n")
+    flags = ["-O3", "-DNDEBUG"]
+    source = _routing_source(templates_dir(ARCH))
+
+    def key(version="nvcc 13.0", flags=flags, source=source):
+        return cache.object_key(cache.source_key(version, flags, source), [str(header)])
+
+    base = key()
+    assert key() == base  # same inputs, same key
+    assert _routing_source(templates_dir(ARCH)) == source  # re-rendering changes nothing
+    assert key(flags=[*flags, "-G"]) != base
+    assert key(version="nvcc 13.1") != base
+
+    edited = tmp_path / "templates"
+    shutil.copytree(templates_dir(ARCH), edited)
+    with open(edited / "routing.cu.j2", "a") as f:
+        f.write("// a template edit\n")
+    assert key(source=_routing_source(edited)) != base
+
+    header.write_text("#define A 2\n")  # an included header's content changes
+    assert key() != base
+    header.unlink()
+    assert key() is None  # a vanished header is a miss, not an error
+
+
+def test_parse_depfile():
+    text = "x.o : x.cu \\\n    /a/b.h \\\n    /c/d.cuh\n"
+    assert cache.parse_depfile(text) == ["/a/b.h", "/c/d.cuh", "x.cu"]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_routing_builds_then_hits_the_cache(tmp_path):
+    gen = tmp_path / "generated"
+    render.write(render.render(ARCH), gen)
+    lines = []
+    library = build(ARCH, only=["routing"], gen_dir=gen, out_dir=tmp_path / "build", emit=lines.append)
+    assert library.is_file()
+    report = json.loads((tmp_path / "build" / "build_report.json").read_text())
+    routing = report["objects"]["routing"]
+    assert routing["cached"] is False and routing["spill_bytes"] == 0
+    assert all(k["registers"] > 0 for k in routing["kernels"])
+    assert any("compiling routing" in line for line in lines)
+
+    start = time.monotonic()
+    build(ARCH, only=["routing"], gen_dir=gen, out_dir=tmp_path / "build", emit=lines.append)
+    assert time.monotonic() - start < 10
+    report = json.loads((tmp_path / "build" / "build_report.json").read_text())
+    assert report["objects"]["routing"]["cached"] is True
+
+    lib = _lib.Library(library)  # loads without a GPU: the static cudart needs the driver only at first use
+    assert lib.kernels == ["routing"]
+    assert lib.call("mc_error_string", 0) == b"no error"
+    assert lib.call("mc_expand_workspace_ints", 1, 8, 128) == 0
+    assert lib.call("mc_expand_workspace_ints", 65536, 8, 128) == 128 * 128
