@@ -28,6 +28,7 @@ constexpr int kMaxExperts = 512;
 constexpr int kSmallSlots = 2048;
 // Larger inputs are cut into tiles of this many slots (count, prefix, scatter, gather).
 constexpr int kTileSlots = 4096;
+constexpr int kPrefixBatch = 8;
 constexpr int kMaxSmallBlocks = 256;
 constexpr int kMaxStreamBlocks = 4096;
 // 16-byte chunks each thread moves per loop trip; independent loads keep bytes in flight.
@@ -276,12 +277,19 @@ __global__ void __launch_bounds__(kThreads) expand_prefix_kernel(ExpandArgs<IdT>
   const int E = a.num_experts;
   for (int e = threadIdx.x; e < E; e += kThreads) {
     int running = 0;
-#pragma unroll 8
-    for (int b = 0; b < num_tiles; ++b) {
-      int32_t* p = a.tile_prefix + static_cast<int64_t>(b) * E + e;
-      const int c = *p;
-      *p = running;
-      running += c;
+    // Loads of a batch are issued before its stores: a dependent chain of L2 round trips
+    // per tile would dominate this kernel.
+    for (int b0 = 0; b0 < num_tiles; b0 += kPrefixBatch) {
+      int c[kPrefixBatch];
+#pragma unroll
+      for (int u = 0; u < kPrefixBatch; ++u) {
+        c[u] = b0 + u < num_tiles ? a.tile_prefix[static_cast<int64_t>(b0 + u) * E + e] : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kPrefixBatch; ++u) {
+        if (b0 + u < num_tiles) a.tile_prefix[static_cast<int64_t>(b0 + u) * E + e] = running;
+        running += c[u];
+      }
     }
     counts[e] = running;
   }
@@ -352,7 +360,11 @@ int expand(const IdT* topk_ids, const float* topk_weights, int64_t num_tokens, i
   const bool bad_rows = hidden_stride < hidden_size || gathered_stride < hidden_size ||
                         hidden_stride % kBf16PerChunk != 0 || gathered_stride % kBf16PerChunk != 0 ||
                         !aligned16(hidden) || !aligned16(gathered);
-  if (bad_sizes || bad_rows || expert_counts == nullptr || expert_offsets == nullptr) {
+  const bool missing = expert_counts == nullptr || expert_offsets == nullptr ||
+                       (num_tokens > 0 && (topk_ids == nullptr || topk_weights == nullptr || hidden == nullptr ||
+                                           sorted_slots == nullptr || slot_to_row == nullptr ||
+                                           gathered == nullptr || row_weights == nullptr));
+  if (bad_sizes || bad_rows || missing) {
     return cudaErrorInvalidValue;
   }
   ExpandArgs<IdT> a{topk_ids, topk_weights, expert_map, num_global_experts,
@@ -443,6 +455,7 @@ inline int finalize(const void* rows, int64_t rows_stride, int64_t num_rows, con
     return cudaErrorInvalidValue;
   }
   if (num_tokens == 0) return cudaSuccess;
+  if (rows == nullptr || slot_to_row == nullptr || out == nullptr) return cudaErrorInvalidValue;
   FinalizeArgs a{static_cast<const __nv_bfloat16*>(rows), rows_stride, num_rows, slot_to_row,
                  num_tokens, top_k, hidden_size / kBf16PerChunk, routed_scaling_factor,
                  static_cast<__nv_bfloat16*>(out), out_stride};
