@@ -132,6 +132,13 @@ def _environment(templates: Path) -> jinja2.Environment:
     )
 
 
+def _render_one(env: jinja2.Environment, template: str, variables: dict, where: str) -> str:
+    try:
+        return env.get_template(template).render(variables)
+    except jinja2.TemplateError as exc:  # e.g. a param the template needs is missing
+        raise ConfigError(f"{where}: rendering {template} failed: {exc}") from exc
+
+
 def render(arch: str, templates: Path | None = None) -> Rendered:
     configs = configs_for(arch)
     _check_table(arch, configs)
@@ -143,14 +150,14 @@ def render(arch: str, templates: Path | None = None) -> Rendered:
         decl_template = f"{family(cfg.template)}.h.j2"
         declarations = ""
         if (templates / decl_template).is_file():
-            declarations = env.get_template(decl_template).render(variables)
+            declarations = _render_one(env, decl_template, variables, f"{arch}/{cfg.name}")
         functions = parse_declarations(declarations, f"{arch}/{decl_template} for {cfg.name}")
         for fn in functions:
             if fn["name"] in exported:
                 raise ConfigError(f"{arch}: {fn['name']} is exported by both {exported[fn['name']]} and {cfg.name}")
             exported[fn["name"]] = cfg.name
         source = f"{cfg.name}.cu"
-        body = env.get_template(cfg.template).render(variables)
+        body = _render_one(env, cfg.template, variables, f"{arch}/{cfg.name}")
         files[source] = (
             BANNER.format(arch=arch, template=cfg.template)
             + _PRELUDE.format(declarations=declarations)

@@ -104,6 +104,30 @@ def test_table_errors_are_clear(monkeypatch):
         render.render(ARCH)
 
 
+def test_a_template_family_renders_one_source_per_config(tmp_path, monkeypatch):
+    # What a GEMM family looks like to the generator: params become template variables,
+    # the .h.j2 declares per-config symbols (so it must use {{ name }} or a param).
+    (tmp_path / "demo.cu.j2").write_text(
+        "constexpr int kTileM = {{ tile_m }};\n"
+        'extern "C" int mc_demo_{{ name }}(int32_t n, cudaStream_t stream) { return n * kTileM; }\n')
+    (tmp_path / "demo.h.j2").write_text("int mc_demo_{{ name }}(int32_t n, cudaStream_t stream);\n")
+    monkeypatch.setitem(KERNELS, ARCH, [KernelConfig("a", "demo.cu.j2", {"tile_m": 64}),
+                                        KernelConfig("b", "demo.cu.j2", {"tile_m": 128})])
+    files = render.render(ARCH, templates=tmp_path).files
+    assert "constexpr int kTileM = 128;" in files["b.cu"]
+    assert "int mc_demo_a(" in files[render.header_name(ARCH)] and "int mc_demo_b(" in files[render.header_name(ARCH)]
+    manifest = json.loads(files[render.MANIFEST])
+    assert [(k["name"], k["params"], k["source"]) for k in manifest["kernels"]] == [
+        ("a", {"tile_m": 64}, "a.cu"), ("b", {"tile_m": 128}, "b.cu")]
+
+    (tmp_path / "demo.h.j2").write_text("int mc_demo(int32_t n, cudaStream_t stream);\n")
+    with pytest.raises(render.ConfigError, match="exported by both"):
+        render.render(ARCH, templates=tmp_path)
+    monkeypatch.setitem(KERNELS, ARCH, [KernelConfig("a", "demo.cu.j2", {})])  # tile_m missing
+    with pytest.raises(render.ConfigError, match="tile_m"):
+        render.render(ARCH, templates=tmp_path)
+
+
 def test_parse_declarations():
     fns = render.parse_declarations(
         "/* c */ int f(const int32_t * a, void *b, cudaStream_t s);\nconst char *g(void); // x\n", "t")
