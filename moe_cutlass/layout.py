@@ -1,0 +1,201 @@
+"""Offline arrangement of MXFP4 expert weights into the SM90 kernel layout (and back).
+
+Pure torch, CPU or CUDA, deterministic; runs once per model load.
+
+Prepared tensors (dict values; the expert is dim 0 of every tensor):
+
+- ``blocks``: uint8 [E, Npad, Kp/2]. Npad = roundup(N, 128) weight rows, Kp = roundup(K, 64).
+  Padding holds zero codes. Inside each 64-row x 64-K "unit" the 2048 bytes are permuted so
+  that thread t (0..127) of a consumer warpgroup finds its RS-WGMMA A fragments for the
+  unit's 4 k-blocks (16 K each) in 16 contiguous bytes at unit offset 16*t (one 128-bit
+  ld.shared); unit offset o sits at row 64*slab + o // 32, byte column 32*unit + o % 32, so a
+  TMA box of (TileM rows, TileK/2 bytes) brings whole units into shared memory.
+  Each 32-bit word of a fragment holds the 8 values v = 0..7 of one k-block in the m64k16
+  register order (v: k + (v & 1), row + 8 * ((v >> 1) & 1), k + 8 * (v >> 2), with row =
+  16 * (t // 32) + (t % 32) // 4 and k = 2 * (t % 4)); value v has its 3 magnitude bits at bits
+  4v..4v+2 of the word and its sign at bit 8v+7 (v < 4) or 8(v-4)+3 (v >= 4): the layout the
+  kernel's prmt look-up converter wants (templates/sm90/moe_gemm_mainloop.hpp).
+- ``scales``: uint8 [E, Kp/32, Npad], E8M0 bytes, N contiguous (the TMA box is (TileM, TileK/32));
+  padding holds 0 (with zero codes, contributes exactly 0).
+- ``bias`` (only when a bias is given): float32 [E, Npad], zero padded.
+
+Rows are in kernel order. GEMM2 (W2, N = H): the original order. GEMM1 (W13, N = 2I): per
+16-row block b, rows 16b..16b+7 are gate rows 8b..8b+7 and rows 16b+8..16b+15 the matching up
+rows, so one thread's accumulators hold gate row j and up row j (8 rows apart, WGMMA
+accumulator layout) and the epilogue writes inter column j = 8b + (row % 8). Gate row j is
+original row j ("concat") or 2j ("interleaved"); up row j is I + j or 2j + 1.
+
+K padding: the kernel reads the weights over Kp and the activations over the real K; the TMA
+zero-fills activation columns [K, Kp), so the padding never reads past a token row.
+"""
+
+import torch
+
+ROW_PAD = 128   # weight rows: a multiple of every TileM (64, 128)
+K_PAD = 64      # K: one unit
+UNIT_M = 64
+UNIT_K = 64
+GATE_UP_ORDERS = ("concat", "interleaved")
+
+# nibble slot s of a word holds mag(v_s) | sign(v_{SIGN_OF_SLOT[s]}) << 3
+SIGN_OF_SLOT = (4, 0, 5, 1, 6, 2, 7, 3)
+
+
+def round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _unit_index(device) -> torch.Tensor:
+    """int64 [128, 4, 8]: (thread, k-block, value) -> row * 64 + k inside a 64x64 unit."""
+    t = torch.arange(128, device=device).view(128, 1, 1)
+    kb = torch.arange(4, device=device).view(1, 4, 1)
+    v = torch.arange(8, device=device).view(1, 1, 8)
+    row = 16 * (t // 32) + (t % 32) // 4 + 8 * ((v >> 1) & 1)
+    k = 16 * kb + 2 * (t % 4) + (v & 1) + 8 * (v >> 2)
+    return (row * UNIT_K + k).reshape(-1)
+
+
+def _unpack_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> codes uint8 [..., K] (low nibble = even k)."""
+    lo = blocks & 0x0F
+    hi = blocks >> 4
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    pairs = codes.view(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def _rows_w13(I: int, gate_up: str, device) -> torch.Tensor:
+    """int64 [2I]: kernel row p -> original row."""
+    p = torch.arange(2 * I, device=device)
+    j = (p // 16) * 8 + p % 8           # gate/up pair index
+    is_up = (p % 16) >= 8
+    if gate_up == "concat":
+        return torch.where(is_up, I + j, j)
+    return torch.where(is_up, 2 * j + 1, 2 * j)
+
+
+def _swizzle_codes(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [E, Npad, Kp] (logical, padded) -> prepared blocks uint8 [E, Npad, Kp/2]."""
+    E, Np, Kp = codes.shape
+    S, U = Np // UNIT_M, Kp // UNIT_K
+    idx = _unit_index(codes.device)
+    units = codes.view(E, S, UNIT_M, U, UNIT_K).permute(0, 1, 3, 2, 4).reshape(E, S, U, UNIT_M * UNIT_K)
+    g = units.index_select(3, idx).view(E, S, U, 128, 4, 8)           # (t, kb, v)
+    mag = g & 7
+    sign = g >> 3
+    slots = mag | (sign[..., list(SIGN_OF_SLOT)] << 3)                  # (t, kb, slot)
+    data = slots[..., 0::2] | (slots[..., 1::2] << 4)                   # (t, kb, byte) = 16 B per thread
+    data = data.reshape(E, S, U, UNIT_M, 32)                             # unit offset o -> (o // 32, o % 32)
+    return data.permute(0, 1, 3, 2, 4).reshape(E, Np, Kp // 2)
+
+
+def _unswizzle_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Exact inverse of _swizzle_codes."""
+    E, Np, half = blocks.shape
+    Kp = 2 * half
+    S, U = Np // UNIT_M, Kp // UNIT_K
+    data = blocks.reshape(E, S, UNIT_M, U, 32).permute(0, 1, 3, 2, 4).reshape(E, S, U, 128, 4, 4)
+    slots = torch.stack((data & 0x0F, data >> 4), dim=-1).flatten(-2)    # (t, kb, slot)
+    mag = slots & 7
+    sign = torch.empty_like(slots)
+    sign[..., list(SIGN_OF_SLOT)] = slots >> 3
+    g = (mag | (sign << 3)).reshape(E, S, U, UNIT_M * UNIT_K)
+    units = torch.empty_like(g)
+    units[..., _unit_index(blocks.device)] = g
+    return units.view(E, S, U, UNIT_M, UNIT_K).permute(0, 1, 3, 2, 4).reshape(E, Np, Kp)
+
+
+def _chunks(E: int, per_expert: int, limit: int = 1 << 26):
+    step = max(1, limit // max(1, per_expert))
+    for e0 in range(0, E, step):
+        yield e0, min(E, e0 + step)
+
+
+def _prepare(blocks, scales, bias, rows):
+    """rows: int64 [N] kernel row -> original row, or None for the identity."""
+    if blocks.dim() == 4:
+        blocks = blocks.reshape(*blocks.shape[:2], -1)
+    E, N, half = blocks.shape
+    K = 2 * half
+    if scales.shape != (E, N, K // 32):
+        raise ValueError(f"scales: expected shape {(E, N, K // 32)}, got {tuple(scales.shape)}")
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise TypeError("blocks and scales must be uint8")
+    Np, Kp = round_up(N, ROW_PAD), round_up(K, K_PAD)
+    dev = blocks.device
+    if rows is not None:
+        blocks = blocks.index_select(1, rows)
+        scales = scales.index_select(1, rows)
+        if bias is not None:
+            bias = bias.index_select(1, rows)
+    out_blocks = torch.empty(E, Np, Kp // 2, dtype=torch.uint8, device=dev)
+    for e0, e1 in _chunks(E, Np * Kp):
+        codes = torch.zeros(e1 - e0, Np, Kp, dtype=torch.uint8, device=dev)
+        codes[:, :N, :K] = _unpack_codes(blocks[e0:e1])
+        out_blocks[e0:e1] = _swizzle_codes(codes)
+    out_scales = torch.zeros(E, Kp // 32, Np, dtype=torch.uint8, device=dev)
+    out_scales[:, : K // 32, :N] = scales.transpose(1, 2)
+    out = {"blocks": out_blocks, "scales": out_scales}
+    if bias is not None:
+        b = torch.zeros(E, Np, dtype=torch.float32, device=dev)
+        b[:, :N] = bias.float()
+        out["bias"] = b
+    return out
+
+
+def _unprepare(prepared, N, K, rows):
+    blocks, scales = prepared["blocks"], prepared["scales"]
+    E = blocks.shape[0]
+    Np, Kp = round_up(N, ROW_PAD), round_up(K, K_PAD)
+    if tuple(blocks.shape) != (E, Np, Kp // 2) or tuple(scales.shape) != (E, Kp // 32, Np):
+        raise ValueError(f"prepared tensors do not match N={N}, K={K}: blocks {tuple(blocks.shape)}, "
+                         f"scales {tuple(scales.shape)}")
+    out_blocks = torch.empty(E, N, K // 2, dtype=torch.uint8, device=blocks.device)
+    for e0, e1 in _chunks(E, Np * Kp):
+        codes = _unswizzle_codes(blocks[e0:e1])
+        out_blocks[e0:e1] = _pack_codes(codes[:, :N, :K].contiguous())
+    out_scales = scales[:, : K // 32, :N].transpose(1, 2).contiguous()
+    bias = prepared.get("bias")
+    bias = None if bias is None else bias[:, :N].float().contiguous()
+    if rows is not None:
+        inv = torch.empty_like(rows)
+        inv[rows] = torch.arange(rows.numel(), device=rows.device)
+        out_blocks = out_blocks.index_select(1, inv)
+        out_scales = out_scales.index_select(1, inv)
+        if bias is not None:
+            bias = bias.index_select(1, inv)
+    return out_blocks, out_scales, bias
+
+
+def prepare_w13(blocks, scales, bias=None, gate_up="concat") -> dict:
+    """W13 (gate + up) blocks uint8 [E, 2I, H/2] (or [E, 2I, H/32, 16]), scales uint8
+    [E, 2I, H/32], bias [E, 2I] or None -> prepared dict (see the module docstring)."""
+    if gate_up not in GATE_UP_ORDERS:
+        raise ValueError(f"gate_up: expected one of {GATE_UP_ORDERS}, got {gate_up!r}")
+    two_i = blocks.shape[1]
+    if two_i % 2 or (two_i // 2) % 8:
+        raise ValueError(f"w13: 2I = {two_i} rows, I must be a multiple of 8 (32 for the kernels)")
+    rows = _rows_w13(two_i // 2, gate_up, blocks.device)
+    return _prepare(blocks, scales, bias, rows)
+
+
+def prepare_w2(blocks, scales, bias=None) -> dict:
+    """W2 (down) blocks uint8 [E, H, I/2] (or [E, H, I/32, 16]), scales uint8 [E, H, I/32],
+    bias [E, H] or None -> prepared dict (see the module docstring)."""
+    return _prepare(blocks, scales, bias, None)
+
+
+def unprepare_w13(prepared: dict, H: int, I: int):
+    """Inverse of prepare_w13, in CONCAT order: (blocks uint8 [E, 2I, H/2], scales uint8
+    [E, 2I, H/32], bias float32 [E, 2I] or None)."""
+    rows = _rows_w13(I, "concat", prepared["blocks"].device)
+    return _unprepare(prepared, 2 * I, H, rows)
+
+
+def unprepare_w2(prepared: dict, H: int, I: int):
+    """Inverse of prepare_w2: (blocks uint8 [E, H, I/2], scales uint8 [E, H, I/32], bias
+    float32 [E, H] or None)."""
+    return _unprepare(prepared, H, I, None)

@@ -1,0 +1,149 @@
+// moe_cutlass: no-smem ptr-array epilogues for the MoE GEMMs (swap-AB frame: accumulator rows =
+// weight rows m, columns = this expert's token rows n). In the style of CUTLASS's
+// epilogue/collective/default_epilogue_array.hpp, wrapped by Sm90TmaWarpSpecializedAdapter
+// (the PtrArrayNoSmemWarpSpecialized path), but with our own per-group addressing:
+// output row of token n of expert e = expert_offsets[e] + n (no pointer arrays needed).
+//
+// Kind 1 (GEMM1): weight rows are in the paired order of layout.py (per 16-row block b: rows
+//   16b..16b+7 = gate[8b..8b+7], 16b+8..16b+15 = up[8b..8b+7]); one thread holds gate row m
+//   and up row m+8 (WGMMA accumulator value modes (col, row+8, col+8)), applies bias +
+//   activation and writes inter[row, 8b + i] in bf16 (half width, written once).
+// Kind 2 (GEMM2): y[row, m] = w[row] * (acc + b2[m]).
+#pragma once
+
+#include "cutlass/cutlass.h"
+#include "cutlass/numeric_types.h"
+#include "cutlass/epilogue/dispatch_policy.hpp"
+#include "cutlass/epilogue/collective/detail.hpp"
+#include "cutlass/cuda_host_adapter.hpp"
+#include "cute/tensor.hpp"
+
+namespace moe_cutlass {
+using namespace cute;
+
+struct MoeEpilogueArguments {
+  void* out = nullptr;                   // bf16 [rows, ld_out]
+  float const* bias = nullptr;           // [E, m_pad] in prepared row order, or null
+  float const* row_weights = nullptr;    // [rows] (kind 2), null for kind 1
+  int32_t const* offsets = nullptr;      // [E+1]
+  int32_t n_real = 0;                    // weight rows (N of the ABI: 2I or H)
+  int32_t m_pad = 0;                     // padded weight rows (bias row stride)
+  int32_t activation = 0;                // 0 silu, 1 swiglu_oai
+  float alpha = 1.702f;
+  float limit = INFINITY;
+};
+
+template <int Kind, class TileShape_>
+class MoeEpilogue {
+ public:
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementC = cutlass::bfloat16_t;   // no source (C) is read
+  using ElementD = cutlass::bfloat16_t;
+  using ElementOutput = cutlass::bfloat16_t;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using StrideC = cute::Stride<int64_t, _1, _0>*;
+  using StrideD = cute::Stride<int64_t, _1, _0>*;
+  using InternalStrideC = cute::remove_pointer_t<StrideC>;
+  using InternalStrideD = cute::remove_pointer_t<StrideD>;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  struct ThreadEpilogueOp {};   // GemmUniversalAdapter names it; our math lives in operator()
+  using TileShape = TileShape_;
+  static constexpr int TileM = size<0>(TileShape{});
+  static constexpr int TileN = size<1>(TileShape{});
+
+  struct SharedStorage {};
+  using TensorMapStorage = SharedStorage;
+  using Arguments = MoeEpilogueArguments;
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) { return args; }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) { return 0; }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& a) {
+    return a.out && a.offsets && a.n_real > 0 && a.m_pad >= a.n_real && (Kind == 1 || a.row_weights);
+  }
+
+  CUTLASS_HOST_DEVICE MoeEpilogue(Params const& p) : params(p) {}
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK, BlockCoordMNKL blk_coord_mnkl,
+                                 cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma, ResidueMNK,
+                                 int thread_idx, char*) {
+    int const n_rows = int(get<1>(problem_shape_mnkl));     // tokens of this expert
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
+    int const e = int(l_coord);
+    int const m0 = int(m_coord) * TileM;
+    int const n0 = int(n_coord) * TileN;
+    int64_t const row_base = params.offsets[e];
+
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    Tensor cD = make_identity_tensor(make_shape(Int<TileM>{}, Int<TileN>{}));
+    Tensor tCcD = thr_mma.partition_C(cD);                    // (V,MMA_M,MMA_N) -> (m,n)
+    static_assert(decltype(size(tCcD))::value == decltype(size(acc))::value);
+
+    float const* bias = params.bias ? params.bias + int64_t(e) * params.m_pad : nullptr;
+    cutlass::bfloat16_t* out = reinterpret_cast<cutlass::bfloat16_t*>(params.out);
+
+    if constexpr (Kind == 2) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(acc); ++i) {
+        int const m = m0 + get<0>(tCcD(i));
+        int const n = n0 + get<1>(tCcD(i));
+        if (m < params.n_real && n < n_rows) {
+          int64_t const r = row_base + n;
+          float v = acc(i);
+          if (bias) v += bias[m];
+          v *= params.row_weights[r];
+          out[r * params.n_real + m] = cutlass::bfloat16_t(v);
+        }
+      }
+    } else {
+      // accumulator value mode = (2 cols, 2 row halves (+8), TileN/8 col blocks); MMA_M = MMA_N = 1
+      static_assert(size<1>(FrgLayout{}) == 1 && size<2>(FrgLayout{}) == 1, "one atom per warpgroup");
+      static_assert(size<0>(FrgLayout{}) == TileN / 2, "m64nNk16 accumulator");
+      int const inter = params.n_real / 2;
+      float const L = params.limit;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < TileN / 8; ++j) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 2; ++c) {
+          int const ig = c + 4 * j;        // (c, row half 0, j): gate
+          int const iu = ig + 2;           // (c, row half 1, j): up, row + 8
+          int const m = m0 + get<0>(tCcD(ig));
+          int const n = n0 + get<1>(tCcD(ig));
+          int const col = (m >> 4) * 8 + (m & 7);
+          if (col < inter && n < n_rows) {
+            float g = acc(ig), u = acc(iu);
+            if (bias) { g += bias[m]; u += bias[m + 8]; }
+            g = fminf(g, L);
+            u = fminf(fmaxf(u, -L), L);
+            float r;
+            if (params.activation == 0) {
+              r = g / (1.0f + __expf(-g)) * u;
+            } else {
+              r = g / (1.0f + __expf(-params.alpha * g)) * (u + 1.0f);
+            }
+            out[(row_base + n) * inter + col] = cutlass::bfloat16_t(r);
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  Params params;
+};
+
+}  // namespace moe_cutlass

@@ -1,0 +1,213 @@
+// moe_cutlass: launcher of one MXFP4 x BF16 MoE grouped GEMM configuration (SM90).
+//
+// Per call, on the caller's stream, nothing read back to the host (CUDA-graph capturable):
+//   1. mc_moe_setup_kernel: from expert_offsets (device) writes the per-expert problem shapes
+//      (Npad, rows_e, Kp), pointer arrays (weights, token rows, scales) and B strides into the
+//      caller's workspace. Experts with rows_e <= 0 get N = 0 and are skipped by the grouped
+//      tile scheduler.
+//   2. the CUTLASS ptr-array kernel (persistent, grid = #SMs): our mainloop (moe_gemm_mainloop.hpp)
+//      + our epilogue (moe_gemm_epilogue.hpp). Its workspace (per-SM TMA descriptor slots) is
+//      carved from the caller's workspace too: two launches in flight must not share one.
+// Host work per call: argument checks, TMA descriptor encoding (GemmUniversalAdapter::initialize),
+// no device memory is read.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cstdint>
+#include <cstddef>
+#include <cmath>
+
+#include "cutlass/cutlass.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/epilogue/collective/detail.hpp"
+
+#include "moe_gemm_mainloop.hpp"
+#include "moe_gemm_epilogue.hpp"
+
+namespace moe_cutlass {
+
+// Prepared-layout padding (must match moe_cutlass/layout.py): weight rows to a multiple of 128,
+// K to a multiple of 64.
+constexpr int kRowPad = 128;
+constexpr int kKPad = 64;
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+template <int Kind, int TileM, int TileN, int TileK, bool Pingpong>
+struct MoeGemmConfig {
+  using TileShape = Shape<Int<TileM>, Int<TileN>, Int<TileK>>;
+  using Schedule = cute::conditional_t<Pingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  static constexpr int StageBytes = Mxfp4MoeMainloop<2, TileShape, Schedule>::TmaTransactionBytes;
+  static constexpr int kSmemBudget = 232448 - 6144;   // 227 KB minus scheduler/pipeline/tensormap storage
+  static constexpr int StagesRaw = kSmemBudget / (StageBytes + 32);
+  static constexpr int Stages = StagesRaw > 10 ? 10 : StagesRaw;
+  static_assert(Stages >= 2);
+  using Mainloop = Mxfp4MoeMainloop<Stages, TileShape, Schedule>;
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<MoeEpilogue<Kind, TileShape>>;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using UnderlyingShape = typename ProblemShape::UnderlyingProblemShape;
+  using StrideAB = cute::Stride<int64_t, _1, _0>;
+};
+
+struct MoeSetupArgs {
+  void* shapes;            // UnderlyingShape[E]
+  void const** ptr_A;
+  void const** ptr_B;
+  void const** ptr_S;
+  cute::Stride<int64_t, _1, _0>* dA;
+  cute::Stride<int64_t, _1, _0>* dB;
+  uint8_t const* w_blocks;
+  uint8_t const* w_scales;
+  uint8_t const* act;      // bf16 bytes
+  int32_t const* offsets;
+  int32_t E, m_pad, k_pad, k_real;
+};
+
+__global__ void mc_moe_setup_kernel(MoeSetupArgs a) {
+  int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= a.E) return;
+  int32_t lo = a.offsets[e], hi = a.offsets[e + 1];
+  int32_t rows = hi - lo;
+  if (lo < 0 || rows < 0) rows = 0;    // malformed offsets: skip the expert, never read out of bounds
+  int* sh = reinterpret_cast<int*>(a.shapes) + 3 * e;
+  sh[0] = a.m_pad; sh[1] = rows; sh[2] = a.k_pad;
+  a.ptr_A[e] = a.w_blocks + int64_t(e) * a.m_pad * (a.k_pad / 2);
+  a.ptr_S[e] = a.w_scales + int64_t(e) * a.m_pad * (a.k_pad / 32);
+  a.ptr_B[e] = a.act + int64_t(rows > 0 ? lo : 0) * a.k_real * 2;
+  a.dA[e] = cute::Stride<int64_t, _1, _0>{int64_t(a.k_pad), {}, {}};
+  a.dB[e] = cute::Stride<int64_t, _1, _0>{int64_t(a.k_real), {}, {}};
+}
+
+struct MoeWorkspaceLayout {
+  size_t shapes, ptr_A, ptr_B, ptr_S, dA, dB, cutlass_ws, total;
+};
+
+inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+template <class Cfg>
+inline typename Cfg::Gemm::Arguments make_args(int E, int sm_count, void* shapes, void const** pA, void const** pB,
+                                               void const** pS, void* dA, void* dB, int m_pad, int k_pad, int k_real,
+                                               MoeEpilogueArguments const& epi) {
+  typename Cfg::Gemm::Arguments args;
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {E, reinterpret_cast<typename Cfg::UnderlyingShape*>(shapes), nullptr};
+  typename Cfg::Mainloop::Arguments ml;
+  ml.ptr_A = reinterpret_cast<typename Cfg::Mainloop::ElementA const**>(pA);
+  ml.dA = reinterpret_cast<typename Cfg::StrideAB*>(dA);
+  ml.ptr_B = reinterpret_cast<typename Cfg::Mainloop::ElementB const**>(pB);
+  ml.dB = reinterpret_cast<typename Cfg::StrideAB*>(dB);
+  ml.ptr_S = reinterpret_cast<uint8_t const**>(pS);
+  ml.m_pad = m_pad;
+  ml.k_pad = k_pad;
+  ml.k_real = k_real;
+  args.mainloop = ml;
+  args.epilogue = epi;
+  args.hw_info.device_id = 0;
+  args.hw_info.sm_count = sm_count;
+  return args;
+}
+
+template <class Cfg>
+inline MoeWorkspaceLayout workspace_layout(int E, int sm_count) {
+  MoeWorkspaceLayout L;
+  size_t o = 0;
+  L.shapes = o; o = align_up(o + size_t(E) * 12, 128);
+  L.ptr_A = o; o = align_up(o + size_t(E) * 8, 128);
+  L.ptr_B = o; o = align_up(o + size_t(E) * 8, 128);
+  L.ptr_S = o; o = align_up(o + size_t(E) * 8, 128);
+  L.dA = o; o = align_up(o + size_t(E) * sizeof(typename Cfg::StrideAB), 128);
+  L.dB = o; o = align_up(o + size_t(E) * sizeof(typename Cfg::StrideAB), 128);
+  L.cutlass_ws = o;
+  MoeEpilogueArguments epi{};
+  auto args = make_args<Cfg>(E, sm_count, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 128, 64, 64, epi);
+  o = align_up(o + Cfg::Gemm::get_workspace_size(args), 128);
+  L.total = o;
+  return L;
+}
+
+inline int device_sm_count() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return -1;
+  static int cached_dev = -1, cached_sms = -1;   // benign race: both writers store the same value
+  if (dev == cached_dev && cached_sms > 0) return cached_sms;
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return -1;
+  cached_sms = sms;
+  cached_dev = dev;
+  return sms;
+}
+
+template <class Cfg>
+inline size_t moe_gemm_workspace_size(int32_t E, int32_t num_sms) {
+  if (E <= 0 || num_sms <= 0) return 0;
+  return workspace_layout<Cfg>(E, num_sms).total;
+}
+
+template <class Cfg, int Kind>
+inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float* bias, const void* act,
+                        const int32_t* expert_offsets, const float* row_weights, void* out, int32_t E, int32_t N,
+                        int32_t K, int32_t activation, float swiglu_alpha, float swiglu_limit, void* workspace,
+                        size_t workspace_bytes, cudaStream_t stream) {
+  constexpr int kInvalid = int(cudaErrorInvalidValue);
+  if (E <= 0 || N <= 0 || K <= 0 || (K % 32) != 0 || (N % 32) != 0) return kInvalid;
+  if (int64_t(N) * 2 >= (int64_t(1) << 31) || int64_t(K) >= (int64_t(1) << 24)) return kInvalid;
+  if (!w_blocks || !w_scales || !act || !expert_offsets || !out || !workspace) return kInvalid;
+  if (Kind == 2 && !row_weights) return kInvalid;
+  if (Kind == 1 && (activation < 0 || activation > 1)) return kInvalid;
+  if (Kind == 1 && (N % 64) != 0) return kInvalid;     // N = 2I, I a multiple of 32
+  if (std::isnan(swiglu_limit) || std::isnan(swiglu_alpha)) return kInvalid;
+  if ((reinterpret_cast<uintptr_t>(w_blocks) | reinterpret_cast<uintptr_t>(w_scales) |
+       reinterpret_cast<uintptr_t>(act) | reinterpret_cast<uintptr_t>(workspace)) & 15) return kInvalid;
+  int const sms = device_sm_count();
+  if (sms <= 0) return int(cudaErrorNoDevice);
+  int const m_pad = int(round_up(N, kRowPad));
+  int const k_pad = int(round_up(K, kKPad));
+  MoeWorkspaceLayout L = workspace_layout<Cfg>(E, sms);
+  if (workspace_bytes < L.total) return kInvalid;
+  uint8_t* ws = reinterpret_cast<uint8_t*>(workspace);
+
+  MoeSetupArgs sa;
+  sa.shapes = ws + L.shapes;
+  sa.ptr_A = reinterpret_cast<void const**>(ws + L.ptr_A);
+  sa.ptr_B = reinterpret_cast<void const**>(ws + L.ptr_B);
+  sa.ptr_S = reinterpret_cast<void const**>(ws + L.ptr_S);
+  sa.dA = reinterpret_cast<cute::Stride<int64_t, _1, _0>*>(ws + L.dA);
+  sa.dB = reinterpret_cast<cute::Stride<int64_t, _1, _0>*>(ws + L.dB);
+  sa.w_blocks = reinterpret_cast<uint8_t const*>(w_blocks);
+  sa.w_scales = reinterpret_cast<uint8_t const*>(w_scales);
+  sa.act = reinterpret_cast<uint8_t const*>(act);
+  sa.offsets = expert_offsets;
+  sa.E = E; sa.m_pad = m_pad; sa.k_pad = k_pad; sa.k_real = K;
+  mc_moe_setup_kernel<<<(E + 127) / 128, 128, 0, stream>>>(sa);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return int(err);
+
+  MoeEpilogueArguments epi;
+  epi.out = out;
+  epi.bias = bias;
+  epi.row_weights = row_weights;
+  epi.offsets = expert_offsets;
+  epi.n_real = N;
+  epi.m_pad = m_pad;
+  epi.activation = activation;
+  epi.alpha = swiglu_alpha;
+  epi.limit = swiglu_limit;
+  auto args = make_args<Cfg>(E, sms, sa.shapes, sa.ptr_A, sa.ptr_B, sa.ptr_S, sa.dA, sa.dB, m_pad, k_pad, K, epi);
+
+  typename Cfg::Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kInvalid;
+  if (gemm.initialize(args, ws + L.cutlass_ws, stream) != cutlass::Status::kSuccess) return int(cudaErrorLaunchFailure);
+  if (gemm.run(stream) != cutlass::Status::kSuccess) {
+    err = cudaGetLastError();
+    return err != cudaSuccess ? int(err) : int(cudaErrorLaunchFailure);
+  }
+  err = cudaGetLastError();
+  return int(err);
+}
+
+}  // namespace moe_cutlass

@@ -1,0 +1,497 @@
+// moe_cutlass: SM90 MXFP4 x BF16 ptr-array mainloop (TMA + RS WGMMA, warp specialized).
+//
+// A documented fork of CUTLASS 4.2's
+//   cutlass/gemm/collective/sm90_mma_array_tma_gmma_rs_warpspecialized_mixed_input.hpp
+//   (+ cutlass/detail/collective/mixed_input_utils.hpp)
+// It plugs into the stock ptr-array kernels (GemmUniversal with
+// KernelPtrArrayTmaWarpSpecializedCooperative / Pingpong) and the grouped tile scheduler.
+//
+// What differs from upstream (and why):
+//  1. Operand A is MXFP4 weights in OUR prepared layout (moe_cutlass/layout.py): each 64-row x
+//     64-K "unit" of a weight tile is stored so that thread t of a warpgroup finds its whole
+//     RS-WGMMA A fragment for the unit (4 k-blocks x 8 values) in 16 contiguous bytes. The
+//     smem tile is NOT swizzled; each thread does one 128-bit ld.shared per unit instead of
+//     cute's smem->rmem tiled copy (upstream: copy_tensors_MK + retiled fragments).
+//  2. Scales are per 32 K elements (upstream: one scale per row per K tile, a static_assert, and
+//     a silently wrong result when chunk_size=32 is given with device-only shapes). The scale
+//     tile is (TileM, TileK/32) uint8 E8M0 with M contiguous in gmem ([E][K/32][Npad]), loaded by
+//     TMA with the A/B tiles of the same stage. Every k-block picks its own 32-group scale.
+//  3. Conversion: custom e2m1 -> bf16 (prmt byte look-up tables, exact for all 16 codes), then a
+//     bf16x2 multiply by 2^(s-127) (bits s<<7; s=0 -> 0x0040, s=255 -> NaN). Upstream has no
+//     e2m1 fast path on SM90 (generic ~100 instr/value converter).
+//  4. A and scale TMA descriptors have the same dims for every expert (known on the host), only
+//     their base addresses are replaced per group; B (tokens) gets dims (rows_e, K) per group,
+//     K being the REAL K (the weights are padded to Kp = roundup(K, 64) with zeros; TMA zero
+//     fills B's K tail, so padding never reads past a token row).
+//  5. Zero points, scale look-up tables, swap-AB and multicast are removed (cluster 1x1 only).
+#pragma once
+
+#include "cutlass/cutlass.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/numeric_types.h"
+#include "cutlass/pipeline/pipeline.hpp"
+#include "cutlass/cuda_host_adapter.hpp"
+#include "cutlass/detail/collective/mixed_input_utils.hpp"
+
+#include "cute/arch/cluster_sm90.hpp"
+#include "cute/arch/copy_sm90.hpp"
+#include "cute/atom/mma_atom.hpp"
+#include "cute/algorithm/gemm.hpp"
+
+namespace moe_cutlass {
+using namespace cute;
+
+// ---------------------------------------------------------------------------------------------
+// e2m1 -> bf16 converter.
+// Input word layout (produced offline by layout.py, see _pack_word there):
+//   element v (0..7, the RS fragment value order) has its 3 magnitude bits at bits 4v..4v+2;
+//   sign of v<4 at bit 8v+7, sign of v>=4 at bit 8(v-4)+3.
+// Output: 4 bf16x2 registers (v0,v1) (v2,v3) (v4,v5) (v6,v7).
+// ---------------------------------------------------------------------------------------------
+CUTLASS_DEVICE uint32_t mc_prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+CUTLASS_DEVICE void mc_e2m1x8_to_bf16(uint32_t q, uint32_t (&out)[4]) {
+  // bf16 of magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}: high bytes {00,3F,3F,3F,40,40,40,40},
+  // low bytes {00,00,80,C0,00,40,80,C0}
+  constexpr uint32_t kHi0 = 0x3F3F3F00u, kHi1 = 0x40404040u;
+  constexpr uint32_t kLo0 = 0xC0800000u, kLo1 = 0xC0804000u;
+  uint32_t m  = q & 0x77777777u;
+  uint32_t m2 = m >> 16;
+  uint32_t h0 = mc_prmt(kHi0, kHi1, m)  | (q & 0x80808080u);
+  uint32_t h1 = mc_prmt(kHi0, kHi1, m2) | ((q << 4) & 0x80808080u);
+  uint32_t l0 = mc_prmt(kLo0, kLo1, m);
+  uint32_t l1 = mc_prmt(kLo0, kLo1, m2);
+  out[0] = mc_prmt(l0, h0, 0x5140u);
+  out[1] = mc_prmt(l0, h0, 0x7362u);
+  out[2] = mc_prmt(l1, h1, 0x5140u);
+  out[3] = mc_prmt(l1, h1, 0x7362u);
+}
+
+// E8M0 byte -> bf16x2 (both halves) of 2^(s-127), exact.
+CUTLASS_DEVICE uint32_t mc_e8m0_to_bf16x2(uint32_t s) {
+  uint32_t b = s << 7;
+  b = (s == 0u) ? 0x0040u : b;
+  b = (s == 255u) ? 0x7FC0u : b;
+  return b | (b << 16);
+}
+
+CUTLASS_DEVICE uint32_t mc_mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The mainloop collective.
+// ---------------------------------------------------------------------------------------------
+template <int Stages_, class TileShape_, class KernelSchedule_>
+struct Mxfp4MoeMainloop {
+  using DispatchPolicy = cutlass::gemm::MainloopSm90ArrayTmaGmmaWarpSpecializedMixedInput<
+      Stages_, Shape<_1, _1, _1>, KernelSchedule_>;
+  using TileShape = TileShape_;
+  using KernelSchedule = KernelSchedule_;
+  using ClusterShape = Shape<_1, _1, _1>;
+  using ArchTag = cutlass::arch::Sm90;
+  static constexpr int Stages = Stages_;
+
+  static constexpr int TileM = size<0>(TileShape{});
+  static constexpr int TileN = size<1>(TileShape{});
+  static constexpr int TileK = size<2>(TileShape{});
+  static_assert(TileM % 64 == 0 && TileK % 64 == 0 && TileK <= 128 && TileN % 8 == 0 && TileN <= 256);
+  static constexpr int UnitsPerTile = TileK / 64;     // 64-K units per k tile (one 16B load each)
+  static constexpr int KBlocks = TileK / 16;          // m64nNk16 k-blocks per k tile
+  static constexpr int Groups = TileK / 32;           // MX scale groups per k tile
+
+  // Element types. A: 4-bit container (our permuted e2m1 words); B: bf16 tokens.
+  using ElementA = cutlass::uint4b_t;
+  using ElementB = cutlass::bfloat16_t;
+  using ElementScale = uint8_t;
+  using ElementMma = cutlass::bfloat16_t;
+  using StrideA = cute::Stride<int64_t, _1, _0>*;     // per group (kernel layer wants pointers)
+  using StrideB = cute::Stride<int64_t, _1, _0>*;
+  using InternalStrideA = cute::remove_pointer_t<StrideA>;
+  using InternalStrideB = cute::remove_pointer_t<StrideB>;
+
+  using AtomLayoutMNK = Layout<Shape<Int<TileM / 64>, _1, _1>>;
+  using TiledMma = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<ElementMma, ElementMma, float, Shape<_64, Int<TileN>, _16>,
+                           GMMA::Major::K, GMMA::Major::K>(),
+      AtomLayoutMNK{}));
+  using ElementAccumulator = float;
+
+  using GmemTiledCopyA = SM90_TMA_LOAD;
+  using GmemTiledCopyB = SM90_TMA_LOAD;
+  using GmemTiledCopyScale = SM90_TMA_LOAD;
+
+  // smem layouts: A is plain K-major (no swizzle: our own addressing), B uses the GMMA 128B
+  // swizzle, scales are M-major (TileM, TileK/32).
+  using SmemLayoutA = Layout<Shape<Int<TileM>, Int<TileK>, Int<Stages>>,
+                             Stride<Int<TileK>, _1, Int<TileM * TileK>>>;
+  using SmemLayoutAtomB = GMMA::Layout_K_SW128_Atom<ElementMma>;
+  using SmemLayoutB = decltype(tile_to_shape(SmemLayoutAtomB{},
+      make_shape(Int<TileN>{}, Int<TileK>{}, Int<Stages>{}), Step<_1, _2, _3>{}));
+  using SmemLayoutScale = Layout<Shape<Int<TileM>, Int<Groups>, Int<Stages>>,
+                                 Stride<_1, Int<TileM>, Int<TileM * Groups>>>;
+
+  using MainloopPipeline = cutlass::PipelineTmaAsync<Stages>;
+  using PipelineState = cutlass::PipelineState<Stages>;
+  using PipelineParams = typename MainloopPipeline::Params;
+  static constexpr int NumProducerThreadEvents = 1;
+
+  static constexpr uint32_t TmaBytesA = TileM * TileK / 2;
+  static constexpr uint32_t TmaBytesB = TileN * TileK * 2;
+  static constexpr uint32_t TmaBytesS = TileM * Groups;
+  static constexpr uint32_t TmaTransactionBytes = TmaBytesA + TmaBytesB + TmaBytesS;
+  static_assert(TmaBytesS % 128 == 0, "scale stage must be a multiple of 128 bytes");
+
+  struct SharedStorage {
+    struct TensorStorage {
+      CUTE_ALIGNAS(1024) cute::ArrayEngine<ElementA, cosize_v<SmemLayoutA>> smem_A;
+      alignas(1024) cute::array_aligned<ElementMma, cosize_v<SmemLayoutB>, 1024> smem_B;
+      alignas(128) cute::array_aligned<uint8_t, TmaBytesS * Stages, 128> smem_scale;
+    } tensors;
+    struct TensorMapStorage {
+      cute::TmaDescriptor smem_tensormap_A;
+      cute::TmaDescriptor smem_tensormap_B;
+      cute::TmaDescriptor smem_tensormap_scale;
+    };
+    using PipelineStorage = typename MainloopPipeline::SharedStorage;
+    PipelineStorage pipeline;
+  };
+  using TensorStorage = typename SharedStorage::TensorStorage;
+  using TensorMapStorage = typename SharedStorage::TensorMapStorage;
+  using PipelineStorage = typename SharedStorage::PipelineStorage;
+
+  static constexpr bool IsGroupedGemmKernel = true;
+
+  struct Arguments {
+    ElementA const** ptr_A;        // [E] expert weight tiles (prepared layout)
+    StrideA dA;                    // [E] (Kp, 1, 0) in 4-bit elements
+    ElementB const** ptr_B;        // [E] first token row of each expert
+    StrideB dB;                    // [E] (K, 1, 0)
+    ElementScale const** ptr_S;    // [E] expert scales [Kp/32][Npad]
+    int m_pad = 0;                 // Npad: weight rows (and scale row stride), multiple of TileM
+    int k_pad = 0;                 // Kp: padded K of the weights (multiple of 64)
+    int k_real = 0;                // K of the activations
+  };
+
+  using TmaElementA = uint8_t;
+  using GmemLayoutA = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, _0>>;
+  using GmemLayoutS = Layout<Shape<int32_t, int32_t, int32_t>, Stride<_1, int64_t, _0>>;
+
+  struct Params {
+    using TMA_A = decltype(make_tma_copy<TmaElementA>(
+        GmemTiledCopyA{},
+        make_tensor(cutlass::gemm::collective::detail::get_logical_ptr(static_cast<ElementA const*>(nullptr)), GmemLayoutA{}),
+        SmemLayoutA{}(_, _, Int<0>{}), make_shape(Int<TileM>{}, Int<TileK>{}), _1{}));
+    using TMA_B = decltype(make_tma_copy(
+        GmemTiledCopyB{},
+        make_tensor(static_cast<ElementB const*>(nullptr), GmemLayoutA{}),
+        SmemLayoutB{}(_, _, Int<0>{}), make_shape(Int<TileN>{}, Int<TileK>{}), _1{}));
+    using TMA_S = decltype(make_tma_copy(
+        GmemTiledCopyScale{},
+        make_tensor(static_cast<ElementScale const*>(nullptr), GmemLayoutS{}),
+        SmemLayoutScale{}(_, _, Int<0>{}), make_shape(Int<TileM>{}, Int<Groups>{}), _1{}));
+    TMA_A tma_load_a;
+    TMA_B tma_load_b;
+    TMA_S tma_load_scale;
+    uint32_t tma_transaction_bytes = TmaTransactionBytes;
+    void* tensormaps;
+    ElementA const** ptr_A;
+    ElementB const** ptr_B;
+    ElementScale const** ptr_S;
+    StrideB ptr_dB;
+    int m_pad;
+    int k_pad;
+    int k_real;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape, Arguments const& args, void* workspace) {
+    // A and the scales have the same dims for every expert: encode them for real here; only
+    // their addresses change per group. B gets placeholder dims, replaced per group.
+    auto ptrA0 = reinterpret_cast<ElementA const*>(uintptr_t(0x100000));  // any 16B-aligned address
+    auto ptrB0 = reinterpret_cast<ElementB const*>(uintptr_t(0x100000));
+    auto ptrS0 = reinterpret_cast<ElementScale const*>(uintptr_t(0x100000));
+    Tensor tA = make_tensor(cutlass::gemm::collective::detail::get_logical_ptr(ptrA0),
+        make_layout(make_shape(int32_t(args.m_pad), int32_t(args.k_pad), int32_t(1)),
+                    make_stride(int64_t(args.k_pad), _1{}, _0{})));
+    Tensor tB = make_tensor(ptrB0,
+        make_layout(make_shape(int32_t(1), int32_t(args.k_real), int32_t(1)),
+                    make_stride(int64_t(args.k_real), _1{}, _0{})));
+    Tensor tS = make_tensor(ptrS0,
+        make_layout(make_shape(int32_t(args.m_pad), int32_t(args.k_pad / 32), int32_t(1)),
+                    make_stride(_1{}, int64_t(args.m_pad), _0{})));
+    Params p{
+      make_tma_copy<TmaElementA>(GmemTiledCopyA{}, tA, SmemLayoutA{}(_, _, Int<0>{}),
+                                 make_shape(Int<TileM>{}, Int<TileK>{}), _1{}),
+      make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutB{}(_, _, Int<0>{}),
+                    make_shape(Int<TileN>{}, Int<TileK>{}), _1{}),
+      make_tma_copy(GmemTiledCopyScale{}, tS, SmemLayoutScale{}(_, _, Int<0>{}),
+                    make_shape(Int<TileM>{}, Int<Groups>{}), _1{}),
+      TmaTransactionBytes,
+      workspace,
+      args.ptr_A, args.ptr_B, args.ptr_S, args.dB,
+      args.m_pad, args.k_pad, args.k_real};
+    return p;
+  }
+
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int sm_count) {
+    return 3 * sizeof(cute::TmaDescriptor) * size_t(sm_count);
+  }
+
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape, Arguments const& args) {
+    return args.m_pad > 0 && args.m_pad % TileM == 0 && args.k_pad > 0 && args.k_pad % 64 == 0 &&
+           args.k_real > 0 && args.k_real % 32 == 0 && args.k_real <= args.k_pad &&
+           args.k_pad - args.k_real < 64 && args.ptr_A && args.ptr_B && args.ptr_S && args.dB;
+  }
+
+  // ----------------------------------------------------------------------------------------
+  // Producer side
+  // ----------------------------------------------------------------------------------------
+  template <class ProblemShape_MNKL>
+  CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_MNKL, Params const& p) const {
+    using X = Underscore;
+    auto [M, N, K, L] = problem_shape_MNKL;
+    Tensor mA = p.tma_load_a.get_tma_tensor(make_shape(int32_t(p.m_pad), int32_t(p.k_pad), int32_t(1)));
+    Tensor mB = p.tma_load_b.get_tma_tensor(make_shape(int32_t(N), int32_t(p.k_real), int32_t(1)));
+    Tensor mS = p.tma_load_scale.get_tma_tensor(make_shape(int32_t(p.m_pad), int32_t(p.k_pad / 32), int32_t(1)));
+    Tensor gA = local_tile(mA, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});   // (BM,BK,m,k,l)
+    Tensor gB = local_tile(mB, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{});   // (BN,BK,n,k,l)
+    Tensor gS = local_tile(mS, make_shape(Int<TileM>{}, Int<Groups>{}), make_coord(_, _));  // (BM,G,m,kg,l)
+    return cute::make_tuple(gA, gB, gS);
+  }
+
+  template <class... Ts, class... TMs, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState smem_pipe_write,
+                           cute::tuple<Ts...> const& load_inputs, cute::tuple<TMs...> const& input_tensormaps,
+                           BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
+                           int thread_idx, uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.begin()), SmemLayoutA{});
+    Tensor sB_ = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+    Tensor sB = as_position_independent_swizzle_tensor(sB_);
+    Tensor sS = make_tensor(make_smem_ptr(shared_tensors.smem_scale.data()), SmemLayoutScale{});
+
+    Tensor gA_mkl = get<0>(load_inputs);
+    Tensor gB_nkl = get<1>(load_inputs);
+    Tensor gS_mkl = get<2>(load_inputs);
+    auto block_tma_a = p.tma_load_a.get_slice(0);
+    auto block_tma_b = p.tma_load_b.get_slice(0);
+    auto block_tma_s = p.tma_load_scale.get_slice(0);
+
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    Tensor gA = gA_mkl(_, _, m_coord, _, 0);
+    Tensor gB = gB_nkl(_, _, n_coord, _, 0);
+    Tensor gS = gS_mkl(_, _, m_coord, _, 0);
+    Tensor tAgA = block_tma_a.partition_S(gA);
+    Tensor tAsA = block_tma_a.partition_D(sA);
+    Tensor tBgB = block_tma_b.partition_S(gB);
+    Tensor tBsB = block_tma_b.partition_D(sB);
+    Tensor tSgS = block_tma_s.partition_S(gS);
+    Tensor tSsS = block_tma_s.partition_D(sS);
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.producer_acquire(smem_pipe_write);
+      using BarrierType = typename MainloopPipeline::ProducerBarrierType;
+      BarrierType* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
+      int write_stage = smem_pipe_write.index();
+      if (cute::elect_one_sync()) {
+        int kt = *k_tile_iter;
+        copy(p.tma_load_a.with(get<0>(input_tensormaps), *tma_barrier, 0), tAgA(_, _, _, kt), tAsA(_, _, _, write_stage));
+        copy(p.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, 0), tBgB(_, _, _, kt), tBsB(_, _, _, write_stage));
+        copy(p.tma_load_scale.with(get<2>(input_tensormaps), *tma_barrier, 0), tSgS(_, _, _, kt), tSsS(_, _, _, write_stage));
+      }
+      ++k_tile_iter;
+      ++smem_pipe_write;
+    }
+  }
+
+  CUTLASS_DEVICE void load_tail(MainloopPipeline pipeline, PipelineState smem_pipe_write) {
+    if (cute::elect_one_sync()) {
+      pipeline.producer_tail(smem_pipe_write);
+    }
+  }
+
+  // ----------------------------------------------------------------------------------------
+  // Consumer side
+  // ----------------------------------------------------------------------------------------
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
+                          int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const& p) {
+    static_assert(is_rmem<FrgTensorC>::value, "C tensor must be rmem resident.");
+    constexpr int MmaWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
+    static_assert(MmaWarpGroups * 64 == TileM, "one 64-row slab per consumer warpgroup");
+
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});   // (BN,BK,PIPE)
+    Layout warp_group_thread_layout = make_layout(Int<MmaWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
+    int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    int wg_thread = thread_idx % cutlass::NumThreadsPerWarpGroup;
+
+    TiledMma tiled_mma;
+    auto mma_warpgroup_slice = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
+    auto mma_thread_slice = tiled_mma.get_thread_slice(thread_idx);
+    Tensor sA_dummy = make_tensor(make_smem_ptr(static_cast<ElementMma*>(nullptr)),
+                                  make_layout(make_shape(Int<TileM>{}, Int<TileK>{}), LayoutRight{}));
+    Tensor tCrA = mma_thread_slice.partition_fragment_A(sA_dummy);     // (MMA,MMA_M,MMA_K) bf16 regs
+    Tensor tCsB = mma_warpgroup_slice.partition_B(sB);                   // (MMA,MMA_N,MMA_K,PIPE)
+    Tensor tCrB = mma_warpgroup_slice.make_fragment_B(tCsB);
+    static_assert(size<1>(decltype(tCrA){}) == 1, "one M atom per warpgroup");
+    static_assert(size<2>(decltype(tCrA){}) == KBlocks);
+    Tensor tCrA_u32 = recast<uint32_t>(tCrA);                           // (4,1,KBlocks)
+
+    // This thread's smem addresses: 16 bytes per 64-K unit; two scale rows per group.
+    uint8_t const* sA_bytes = reinterpret_cast<uint8_t const*>(raw_pointer_cast(shared_tensors.smem_A.begin()));
+    uint8_t const* sS_bytes = shared_tensors.smem_scale.data();
+    int const slab = warp_group_idx;                                      // 64-row slab of the tile
+    int const a_off = slab * 64 * (TileK / 2) + (wg_thread / 2) * (TileK / 2) + (wg_thread % 2) * 16;
+    int const row0 = slab * 64 + (wg_thread / 32) * 16 + (wg_thread % 32) / 4;   // rows row0, row0+8
+
+    PipelineState smem_pipe_release = smem_pipe_read;
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(accum);
+
+    bool first = true;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      auto barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
+      pipeline.consumer_wait(smem_pipe_read, barrier_token);
+      int const stage = smem_pipe_read.index();
+
+      // raw A words (one 128-bit load per unit) and scales of this k tile
+      uint32_t words[KBlocks];
+      CUTLASS_PRAGMA_UNROLL
+      for (int u = 0; u < UnitsPerTile; ++u) {
+        uint4 v = *reinterpret_cast<uint4 const*>(sA_bytes + stage * TmaBytesA + a_off + u * 32);
+        words[4 * u + 0] = v.x; words[4 * u + 1] = v.y; words[4 * u + 2] = v.z; words[4 * u + 3] = v.w;
+      }
+      uint32_t sc[Groups][2];
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < Groups; ++g) {
+        uint8_t const* s = sS_bytes + stage * TmaBytesS + g * TileM + row0;
+        sc[g][0] = mc_e8m0_to_bf16x2(s[0]);
+        sc[g][1] = mc_e8m0_to_bf16x2(s[8]);
+      }
+
+      warpgroup_fence_operand(accum);
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < KBlocks; ++kb) {
+        // frag kb is free once the previous tile's k-block kb retired: <= KBlocks-1 pending.
+        warpgroup_wait<KBlocks - 1>();
+        warpgroup_fence_operand(tCrA);
+        if (kb == KBlocks - 1 && !first) {
+          // all GMMAs of the previous k tile are done: release its stage
+          pipeline.consumer_release(smem_pipe_release);
+          ++smem_pipe_release;
+        }
+        uint32_t f[4];
+        mc_e2m1x8_to_bf16(words[kb], f);
+        uint32_t const s0 = sc[kb / 2][0], s1 = sc[kb / 2][1];
+        tCrA_u32(0, 0, kb) = mc_mul_bf16x2(f[0], s0);
+        tCrA_u32(1, 0, kb) = mc_mul_bf16x2(f[1], s1);
+        tCrA_u32(2, 0, kb) = mc_mul_bf16x2(f[2], s0);
+        tCrA_u32(3, 0, kb) = mc_mul_bf16x2(f[3], s1);
+        warpgroup_fence_operand(tCrA);
+        warpgroup_arrive();
+        cute::gemm(tiled_mma, tCrA(_, _, kb), tCrB(_, _, kb, stage), accum);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        warpgroup_commit_batch();
+      }
+      warpgroup_fence_operand(accum);
+      first = false;
+      ++smem_pipe_read;
+    }
+    warpgroup_fence_operand(accum);
+  }
+
+  CUTLASS_DEVICE void mma_tail(MainloopPipeline pipeline, PipelineState smem_pipe_release, int k_tile_count) {
+    // mma() released k_tile_count-1 stages; release the last one once all GMMAs are done.
+    smem_pipe_release.advance(k_tile_count - 1);
+    warpgroup_wait<0>();
+    pipeline.consumer_release(smem_pipe_release);
+  }
+
+  // ----------------------------------------------------------------------------------------
+  // Tensormap handling (per-SM descriptor copies in the workspace)
+  // ----------------------------------------------------------------------------------------
+  CUTLASS_DEVICE auto tensormaps_init(Params const& p, TensorMapStorage& shared_tensormaps,
+                                      int32_t sm_count, int32_t sm_idx) {
+    cute::TmaDescriptor* gmem_tensormap = reinterpret_cast<cute::TmaDescriptor*>(p.tensormaps);
+    cute::TmaDescriptor* tma_desc_a = &gmem_tensormap[sm_idx];
+    cute::TmaDescriptor* tma_desc_b = &gmem_tensormap[sm_idx + sm_count];
+    cute::TmaDescriptor* tma_desc_s = &gmem_tensormap[sm_idx + 2 * sm_count];
+    Tensor pA = make_tensor(p.tma_load_a.get_tma_descriptor(), Int<1>{}, Int<1>{});
+    Tensor sA = make_tensor(make_smem_ptr(&shared_tensormaps.smem_tensormap_A), Int<1>{}, Int<1>{});
+    Tensor pB = make_tensor(p.tma_load_b.get_tma_descriptor(), Int<1>{}, Int<1>{});
+    Tensor sB = make_tensor(make_smem_ptr(&shared_tensormaps.smem_tensormap_B), Int<1>{}, Int<1>{});
+    Tensor pS = make_tensor(p.tma_load_scale.get_tma_descriptor(), Int<1>{}, Int<1>{});
+    Tensor sS = make_tensor(make_smem_ptr(&shared_tensormaps.smem_tensormap_scale), Int<1>{}, Int<1>{});
+    if (cute::elect_one_sync()) {
+      copy(recast<uint128_t>(pA), recast<uint128_t>(sA));
+      copy(recast<uint128_t>(pB), recast<uint128_t>(sB));
+      copy(recast<uint128_t>(pS), recast<uint128_t>(sS));
+    }
+    __syncwarp();
+    return cute::make_tuple(tma_desc_a, tma_desc_b, tma_desc_s);
+  }
+
+  template <class... TMs, class ProblemShape_MNKL>
+  CUTLASS_DEVICE void tensormaps_perform_update(TensorMapStorage& shared_tensormaps, Params const& p,
+                                                cute::tuple<TMs...> const&, ProblemShape_MNKL problem_shape_mnkl,
+                                                int32_t next_group) {
+    if (cute::elect_one_sync()) {
+      cute::tma_descriptor_replace_addr_in_shared_mem(shared_tensormaps.smem_tensormap_A, p.ptr_A[next_group]);
+      cute::tma_descriptor_replace_addr_in_shared_mem(shared_tensormaps.smem_tensormap_B, p.ptr_B[next_group]);
+      cute::tma_descriptor_replace_addr_in_shared_mem(shared_tensormaps.smem_tensormap_scale, p.ptr_S[next_group]);
+      // B: (rows_e, K_real) with this group's row stride
+      uint32_t const N = get<1>(problem_shape_mnkl);
+      cute::array<uint32_t, 5> shape_B = {1, 1, 1, 1, 1};
+      cute::array<uint64_t, 5> stride_B = {0, 0, 0, 0, 0};
+      ElementB const* ptr_B = nullptr;
+      Tensor tensor_b = make_tensor(ptr_B, make_layout(make_shape(int32_t(N), int32_t(p.k_real), int32_t(1)),
+                                                       p.ptr_dB[next_group]));
+      cute::detail::fill_tma_gmem_shape_stride(p.tma_load_b, tensor_b, shape_B, stride_B);
+      for (uint64_t& s : stride_B) { s = s * sizeof(ElementB); }
+      cute::tma_descriptor_replace_dims_strides_in_shared_mem(shared_tensormaps.smem_tensormap_B, shape_B, stride_B);
+    }
+  }
+
+  template <class... TMs>
+  CUTLASS_DEVICE void tensormaps_cp_fence_release(TensorMapStorage& shared_tensormaps,
+                                                  cute::tuple<TMs...> const& input_tensormaps) {
+    if (cute::elect_one_sync()) {
+      cute::tma_desc_commit_group();
+      cute::tma_desc_wait_group();
+    }
+    tma_descriptor_cp_fence_release(get<0>(input_tensormaps), shared_tensormaps.smem_tensormap_A);
+    tma_descriptor_cp_fence_release(get<1>(input_tensormaps), shared_tensormaps.smem_tensormap_B);
+    tma_descriptor_cp_fence_release(get<2>(input_tensormaps), shared_tensormaps.smem_tensormap_scale);
+  }
+
+  template <class... TMs>
+  CUTLASS_DEVICE void tensormaps_fence_acquire(cute::tuple<TMs...> const& input_tensormaps) {
+    cute::tma_descriptor_fence_acquire(get<0>(input_tensormaps));
+    cute::tma_descriptor_fence_acquire(get<1>(input_tensormaps));
+    cute::tma_descriptor_fence_acquire(get<2>(input_tensormaps));
+  }
+
+  template <class InputTensors, class ProblemShape_MNKL>
+  CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const& input_tensors, Params const&,
+                                                     ProblemShape_MNKL, int32_t) {
+    return input_tensors;
+  }
+};
+
+}  // namespace moe_cutlass

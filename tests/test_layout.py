@@ -1,0 +1,160 @@
+"""layout.py: exact round trips, gate/up row order, and an emulation of the kernel's reading of
+the prepared bytes (fragment addressing + prmt converter) on the CPU."""
+
+import pytest
+import torch
+
+from moe_cutlass import layout
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _random(E, N, K, seed, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (E, N, K // 32), generator=g, dtype=torch.uint8)
+    b = torch.randn(E, N, generator=g) if bias else None
+    return blocks, scales, b
+
+
+def _dequant(blocks, scales):
+    codes = torch.stack((blocks & 15, blocks >> 4), -1).flatten(-2).long()
+    vals = torch.tensor(E2M1)[codes]
+    s = torch.pow(2.0, scales.double() - 127).float()
+    return vals * s.repeat_interleave(32, -1)
+
+
+@pytest.mark.parametrize("H,I", [(96, 32), (2880, 96), (64, 160), (160, 64)])
+@pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
+def test_w13_round_trip(H, I, gate_up):
+    blocks, scales, bias = _random(3, 2 * I, H, seed=H + I)
+    p = layout.prepare_w13(blocks, scales, bias, gate_up)
+    Np, Kp = layout.round_up(2 * I, 128), layout.round_up(H, 64)
+    assert p["blocks"].shape == (3, Np, Kp // 2) and p["blocks"].dtype == torch.uint8
+    assert p["scales"].shape == (3, Kp // 32, Np) and p["scales"].dtype == torch.uint8
+    assert p["bias"].shape == (3, Np) and p["bias"].dtype == torch.float32
+    b2, s2, bias2 = layout.unprepare_w13(p, H, I)
+    if gate_up == "interleaved":   # unprepare returns concat order
+        order = torch.cat((torch.arange(0, 2 * I, 2), torch.arange(1, 2 * I, 2)))
+        blocks, scales, bias = blocks[:, order], scales[:, order], bias[:, order]
+    assert torch.equal(b2, blocks) and torch.equal(s2, scales) and torch.equal(bias2, bias)
+
+
+@pytest.mark.parametrize("H,I", [(2880, 2880), (96, 32), (32, 96)])
+def test_w2_round_trip(H, I):
+    E = 2
+    blocks, scales, bias = _random(E, H, I, seed=7, bias=False)
+    if H * I > 100000:
+        blocks, scales = blocks[:1], scales[:1]
+        E = 1
+    p = layout.prepare_w2(blocks, scales, None)
+    assert "bias" not in p
+    b2, s2, bias2 = layout.unprepare_w2(p, H, I)
+    assert bias2 is None and torch.equal(b2, blocks) and torch.equal(s2, scales)
+
+
+def test_checkpoint_block_shape():
+    blocks, scales, _ = _random(2, 64, 128, seed=3, bias=False)
+    a = layout.prepare_w2(blocks, scales)
+    b = layout.prepare_w2(blocks.view(2, 64, 4, 16), scales)
+    assert torch.equal(a["blocks"], b["blocks"]) and torch.equal(a["scales"], b["scales"])
+
+
+@pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
+def test_w13_kernel_row_order(gate_up):
+    """Kernel row 16b + i (i < 8) is gate row 8b + i, 16b + 8 + i the up row 8b + i."""
+    I, H, E = 32, 64, 1
+    rows = torch.arange(2 * I, dtype=torch.float32)
+    blocks = torch.zeros(E, 2 * I, H // 2, dtype=torch.uint8)
+    scales = torch.full((E, 2 * I, H // 32), 127, dtype=torch.uint8)
+    p = layout.prepare_w13(blocks, scales, rows.view(1, -1), gate_up)
+    kb = p["bias"][0, : 2 * I]
+    for j in range(I):
+        gate = j if gate_up == "concat" else 2 * j
+        up = I + j if gate_up == "concat" else 2 * j + 1
+        assert kb[16 * (j // 8) + j % 8] == gate
+        assert kb[16 * (j // 8) + 8 + j % 8] == up
+
+
+# ---- emulation of the kernel's reads (moe_gemm_mainloop.hpp) ----
+
+def _prmt(a, b, sel):
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        n = (sel >> (4 * i)) & 0xF
+        byte = src[n & 7]
+        if n & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def _convert(q):
+    """Python twin of mc_e2m1x8_to_bf16: word -> 8 bf16 bit patterns (v0..v7)."""
+    m = q & 0x77777777
+    m2 = m >> 16
+    h0 = _prmt(0x3F3F3F00, 0x40404040, m) | (q & 0x80808080)
+    h1 = _prmt(0x3F3F3F00, 0x40404040, m2) | ((q << 4) & 0x80808080 & 0xFFFFFFFF)
+    l0 = _prmt(0xC0800000, 0xC0804000, m)
+    l1 = _prmt(0xC0800000, 0xC0804000, m2)
+    regs = [_prmt(l0, h0, 0x5140), _prmt(l0, h0, 0x7362), _prmt(l1, h1, 0x5140), _prmt(l1, h1, 0x7362)]
+    out = []
+    for r in regs:
+        out += [r & 0xFFFF, r >> 16]
+    return out
+
+
+def _bf16(bits):
+    import struct
+    return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+
+
+def test_converter_all_codes():
+    """Every code in every value slot converts to its exact e2m1 value."""
+    for v in range(8):
+        for code in range(16):
+            codes = [0] * 8
+            codes[v] = code
+            q = 0
+            for s in range(8):
+                q |= (codes[s] & 7) << (4 * s)
+            for s in range(8):
+                sign = codes[s] >> 3
+                q |= sign << (8 * s + 7 if s < 4 else 8 * (s - 4) + 3)
+            got = [_bf16(x) for x in _convert(q)]
+            want = [E2M1[c] for c in codes]
+            assert got == want and all((g < 0) == (w < 0) or g == 0 for g, w in zip(got, want))
+            assert str(got[v]) == str(E2M1[code])   # sign of zero too
+
+
+def test_kernel_read_emulation():
+    """Read the prepared tensors the way the kernel does (thread addressing, words, scale rows)
+    and compare with the dequantized weights."""
+    E, N, K = 1, 128, 128
+    blocks, scales, _ = _random(E, N, K, seed=11, bias=False)
+    p = layout.prepare_w2(blocks, scales)
+    ref = _dequant(blocks, scales)[0]
+    Kp = p["blocks"].shape[2] * 2
+    raw = p["blocks"][0].reshape(-1).tolist()
+    sc = p["scales"][0]
+    got = torch.zeros(N, K)
+    TileK = 128
+    for slab in range(N // 64):
+        for ktile in range(K // TileK):
+            for t in range(128):
+                row0 = slab * 64 + (t // 32) * 16 + (t % 32) // 4
+                for kb in range(TileK // 16):
+                    u, w = kb // 4, kb % 4
+                    # smem row = slab*64 + t//2 holds gmem row bytes [ktile*TileK/2, +TileK/2)
+                    base = (slab * 64 + t // 2) * (Kp // 2) + ktile * (TileK // 2) + u * 32 + (t % 2) * 16 + 4 * w
+                    q = raw[base] | raw[base + 1] << 8 | raw[base + 2] << 16 | raw[base + 3] << 24
+                    vals = [_bf16(x) for x in _convert(q)]
+                    g = (ktile * TileK + kb * 16) // 32
+                    s0 = 2.0 ** (int(sc[g, row0]) - 127)
+                    s1 = 2.0 ** (int(sc[g, row0 + 8]) - 127)
+                    for v in range(8):
+                        r = row0 + 8 * ((v >> 1) & 1)
+                        k = ktile * TileK + kb * 16 + 2 * (t % 4) + (v & 1) + 8 * (v >> 2)
+                        got[r, k] = vals[v] * (s1 if (v >> 1) & 1 else s0)
+    assert torch.equal(got, ref)
