@@ -97,7 +97,8 @@ class Build:
 
     def object_file(self, name: str, source: Path) -> ObjectResult:
         skey = cache.source_key(self.toolchain.nvcc_version, self.flags, source.read_text())
-        with cache.locked(self.obj_dir / f"{name}.{skey[:16]}.lock"):
+        lock = self.obj_dir / f"{name}.{skey[:16]}.lock"
+        with cache.locked(lock, on_wait=lambda: self.progress(f"waiting for another process building {name}")):
             hit = self._cached(name, skey)
             if hit is not None:
                 return ObjectResult(name, hit, json.loads(hit.with_suffix(".json").read_text()), cached=True)
@@ -170,7 +171,8 @@ def _compile_all(build: Build, sources: dict, jobs: int) -> dict:
                         other.cancel()
             if not done and build.running:
                 now = time.monotonic()
-                still = ", ".join(f"{n} ({now - t:.0f}s)" for n, t in sorted(build.running.items()))
+                running = build.running.copy()  # workers add and remove entries meanwhile
+                still = ", ".join(f"{n} ({now - t:.0f}s)" for n, t in sorted(running.items()))
                 build.progress(f"still compiling: {still}")
             pending = {f: n for f, n in pending.items() if not f.cancelled()}
         if failure is not None:

@@ -57,11 +57,17 @@ def parse_depfile(text: str) -> list:
 
 
 @contextlib.contextmanager
-def locked(path: Path):
-    """Exclusive flock; the kernel drops it when the holder dies, so it never goes stale."""
+def locked(path: Path, on_wait=None):
+    """Exclusive flock; the kernel drops it when the holder dies, so it never goes stale.
+    on_wait() is called once if another process holds it (so the wait is not silent)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:

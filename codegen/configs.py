@@ -3,7 +3,13 @@
 Adding a kernel = appending one KernelConfig to KERNELS[arch]. Its template
 `templates/<arch>/<family>.cu.j2` is rendered with `name` and every entry of `params`
 as top-level variables; the optional `templates/<arch>/<family>.h.j2`, rendered with the
-same variables, declares the extern "C" functions the instantiation exports.
+same variables, declares the extern "C" functions the instantiation exports (plain C
+prototypes with named parameters; symbols must differ per config, so they embed
+{{ name }}; functions returning int return a cudaError_t and take the stream last).
+
+Example entry (the GEMM family):
+    KernelConfig("gemm1_m64n32_pingpong", "moe_gemm.cu.j2",
+                 {"tile_m": 64, "tile_n": 32, "tile_k": 64, "schedule": "pingpong", "epilogue": "swiglu"})
 """
 
 from dataclasses import dataclass, field
@@ -29,5 +35,12 @@ ARCH_FLAGS = {
 KERNELS = {
     "sm90": [
         KernelConfig("routing", "routing.cu.j2"),
+        # MXFP4 x BF16 MoE grouped GEMMs (templates/sm90/moe_gemm*): kind 1 = GEMM1 (gate/up +
+        # activation, half-width output), kind 2 = GEMM2 (down, row weight); tile = weight rows x
+        # tokens x K; cooperative = 2 consumer warpgroups on one 128-row tile.
+        KernelConfig("moe_gemm1_m128n32k128_coop", "moe_gemm.cu.j2",
+                     {"kind": 1, "tile_m": 128, "tile_n": 32, "tile_k": 128, "pingpong": False}),
+        KernelConfig("moe_gemm2_m128n32k128_coop", "moe_gemm.cu.j2",
+                     {"kind": 2, "tile_m": 128, "tile_n": 32, "tile_k": 128, "pingpong": False}),
     ],
 }
