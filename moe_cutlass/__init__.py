@@ -1,1 +1,22 @@
-"""moe_cutlass: a Mixture-of-Experts layer for NVIDIA Hopper (SM90), MXFP4 weights, BF16 activations."""
+"""moe_cutlass: a Mixture-of-Experts layer for NVIDIA Hopper (SM90) with MXFP4 expert weights
+and BF16 activations, built on CUTLASS grouped GEMMs.
+
+Import works without a GPU: the MXFP4 helpers, `prepare_experts`, `select_experts` and the
+float32 `reference` layer run on the CPU; `fused_moe` needs an SM90 GPU and the built library
+(`python -m codegen --arch sm90`).
+"""
+from . import reference
+from .experts import PreparedExperts, prepare_experts
+from .layer import fused_moe
+from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from .routing import select_experts
+
+__all__ = [
+    "PreparedExperts",
+    "dequantize_mxfp4",
+    "fused_moe",
+    "prepare_experts",
+    "quantize_mxfp4",
+    "reference",
+    "select_experts",
+]

@@ -1,0 +1,141 @@
+"""The fused MoE layer on an SM90 GPU: expand -> GEMM1 (+SwiGLU) -> GEMM2 (x routing weight) -> finalize.
+
+Everything runs on the current stream with sizes known only to the device (expert_offsets),
+so a call never waits for the GPU and can be captured in a CUDA graph. Buffers are sized once
+per (device, stream, layer shape) for the largest batch seen and reused: a call allocates
+nothing but its output. A larger batch than any before grows them (not inside a graph
+capture: warm up with the largest batch first).
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import _lib
+from ._checks import INDEX_DTYPES, check_choice, check_float, check_tensor
+from ._device import require_sm90, sm_count
+from ._ops_routing import RoutingBuffers, expand_into, finalize
+from .experts import PreparedExperts
+
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+
+
+def _check_args(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
+                routed_scaling_factor, expert_map, out):
+    if not isinstance(experts, PreparedExperts):
+        raise TypeError(f"experts: expected the PreparedExperts that moe_cutlass.prepare_experts returns, "
+                        f"got {type(experts).__name__}")
+    H = experts.hidden_size
+    check_tensor("hidden_states", hidden_states, dtype=torch.bfloat16, shape=("M", H), contiguous=True)
+    M = hidden_states.shape[0]
+    check_tensor("topk_ids", topk_ids, dtype=INDEX_DTYPES, shape=(M, "k"), contiguous=True)
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_ids.shape), contiguous=True)
+    check_choice("activation", activation, tuple(ACTIVATIONS))
+    if swiglu_limit is not None:
+        check_float("swiglu_limit", swiglu_limit, positive=True)
+    check_float("swiglu_alpha", swiglu_alpha)
+    check_float("routed_scaling_factor", routed_scaling_factor)
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, dtype=torch.int32, shape=("E_global",), contiguous=True)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(M, H), contiguous=True)
+    device = hidden_states.device
+    if device.type != "cuda":
+        raise ValueError(f"hidden_states: expected a CUDA tensor on an SM90 GPU, got one on {device}")
+    named = {"topk_ids": topk_ids, "topk_weights": topk_weights, "expert_map": expert_map, "out": out}
+    for name, t in named.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (where hidden_states is), got {t.device}")
+    if experts.device != device:
+        raise ValueError(f"experts: prepared on {experts.device}, hidden_states on {device}; "
+                         f"move them with experts.to({str(device)!r})")
+
+
+def _kernel_for(gemm_kind: int) -> str:
+    """The library's instantiation of GEMM1 or GEMM2 (one per kind for now)."""
+    for kernel in _lib.library().manifest["kernels"]:
+        if kernel["params"].get("kind") == gemm_kind:
+            return kernel["name"]
+    raise RuntimeError(f"the kernel library holds no GEMM{gemm_kind} instantiation; rebuild it with "
+                       f"`python -m codegen --arch sm90`")
+
+
+@dataclass
+class _Buffers:
+    """Everything a call needs besides its output, for up to max_tokens tokens."""
+
+    max_tokens: int
+    routing: RoutingBuffers
+    inter: torch.Tensor  # bf16 [max_tokens * k, I]: GEMM1's output, GEMM2's input
+    gemm_workspace: tuple  # uint8 tensors, one per GEMM: each launch needs its own
+
+    @classmethod
+    def allocate(cls, max_tokens, k, experts, device, kernels):
+        E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+        sms = sm_count(device)
+        workspaces = tuple(
+            torch.empty(_lib.call(f"mc_sm90_{name}_workspace_size", E, sms), dtype=torch.uint8, device=device)
+            for name in kernels)
+        return cls(max_tokens=max_tokens,
+                   routing=RoutingBuffers.allocate(max_tokens, k, E, H, device),
+                   inter=torch.empty(max_tokens * k, I, dtype=torch.bfloat16, device=device),
+                   gemm_workspace=workspaces)
+
+
+_buffers = {}
+
+
+def _buffers_for(M, k, experts, device, kernels):
+    # Per stream: two launches in flight must not share CUTLASS's per-SM workspace.
+    key = (device, torch.cuda.current_stream(device).cuda_stream, k, experts.num_experts,
+           experts.hidden_size, experts.intermediate_size)
+    buffers = _buffers.get(key)
+    if buffers is None or buffers.max_tokens < M:
+        _buffers.pop(key, None)  # free the old set before allocating the larger one
+        buffers = _buffers[key] = _Buffers.allocate(M, k, experts, device, kernels)
+    return buffers
+
+
+def _gemm(name, weights, act, offsets, row_weights, out, N, K, activation, alpha, limit, workspace):
+    bias = weights.get("bias")
+    _lib.call(f"mc_sm90_{name}", weights["blocks"].data_ptr(), weights["scales"].data_ptr(),
+              None if bias is None else bias.data_ptr(), act.data_ptr(), offsets.data_ptr(),
+              None if row_weights is None else row_weights.data_ptr(), out.data_ptr(),
+              weights["blocks"].shape[0], N, K, activation, alpha, limit,
+              workspace.data_ptr(), workspace.numel(), torch.cuda.current_stream().cuda_stream)
+
+
+def fused_moe(hidden_states, experts, topk_weights, topk_ids, activation="silu", swiglu_limit=None,
+              swiglu_alpha=1.702, routed_scaling_factor=1.0, expert_map=None, out=None):
+    """out[t] = routed_scaling_factor * sum_j topk_weights[t, j] * (W2_e @ act(W13_e @ x_t + b13_e) + b2_e).
+
+    hidden_states bf16 [M, H]; experts from prepare_experts, on the same GPU; topk_weights
+    float32 [M, k]; topk_ids int32/int64 [M, k]; ids < 0, >= E, or mapped to -1 by expert_map
+    (int32 [E_global]: global id -> local id) contribute nothing. activation "silu" or
+    "swiglu_oai" (with swiglu_alpha); swiglu_limit clamps gate (above) and up (both sides).
+    Returns bf16 [M, H] (`out` when given). Deterministic; no host synchronization.
+    """
+    _check_args(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
+                routed_scaling_factor, expert_map, out)
+    M, k = topk_ids.shape
+    device = hidden_states.device
+    if out is None:
+        out = torch.empty(M, experts.hidden_size, dtype=torch.bfloat16, device=device)
+    if M == 0:
+        return out
+    require_sm90(device)
+    kernels = (_kernel_for(1), _kernel_for(2))
+    H, I = experts.hidden_size, experts.intermediate_size
+    with torch.cuda.device(device):
+        buffers = _buffers_for(M, k, experts, device, kernels)
+        routed = expand_into(buffers.routing, hidden_states, topk_ids, topk_weights, experts.num_experts,
+                             expert_map)
+        inter = buffers.inter[: M * k]
+        limit = math.inf if swiglu_limit is None else float(swiglu_limit)
+        _gemm(kernels[0], experts.w13, routed.gathered, routed.expert_offsets, None, inter, 2 * I, H,
+              ACTIVATIONS[activation], float(swiglu_alpha), limit, buffers.gemm_workspace[0])
+        # The gathered rows are dead once GEMM1 has read them: GEMM2 writes its rows there.
+        _gemm(kernels[1], experts.w2, inter, routed.expert_offsets, routed.row_weights, routed.gathered, H, I,
+              0, 0.0, math.inf, buffers.gemm_workspace[1])
+        finalize(routed.gathered, routed.slot_to_row, k, float(routed_scaling_factor), out)
+    return out

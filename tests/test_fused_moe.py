@@ -1,0 +1,203 @@
+"""fused_moe on an SM90 GPU against the float32 reference (DESIGN.md section 2)."""
+import pytest
+import torch
+
+import moe_cutlass as mc
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {  # (E, H, I, top_k), DESIGN.md section 5
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "gpt-oss-120b": (128, 2880, 2880, 4),
+    "dsv4-flash": (256, 4096, 2048, 6),
+    "dsv3": (256, 7168, 2048, 8),
+}
+TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 7, 33, 1000]
+MAX_RELERR = 1e-2
+
+
+def random_mxfp4(E, N, K, gen):
+    # Scales differ from block to block: a kernel applying one scale per tile must fail.
+    blocks = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device="cuda", generator=gen)
+    scales = torch.randint(116, 128, (E, N, K // 32), dtype=torch.uint8, device="cuda", generator=gen)
+    return blocks, scales
+
+
+def random_experts(E, H, I, gen, bias=False, gate_up="concat"):
+    w13 = random_mxfp4(E, 2 * I, H, gen)
+    w2 = random_mxfp4(E, H, I, gen)
+    biases = {}
+    if bias:
+        biases = dict(w13_bias=torch.randn(E, 2 * I, device="cuda", generator=gen),
+                      w2_bias=torch.randn(E, H, device="cuda", generator=gen) * 0.1)
+    return mc.prepare_experts(*w13, *w2, gate_up=gate_up, **biases)
+
+
+def random_routing(M, E, k, gen):
+    ids = torch.rand(M, E, device="cuda", generator=gen).topk(k, dim=1).indices.to(torch.int32)
+    weights = torch.rand(M, k, device="cuda", generator=gen).softmax(dim=1)
+    return weights, ids
+
+
+def random_hidden(M, H, gen):
+    return torch.randn(M, H, device="cuda", generator=gen).to(torch.bfloat16)
+
+
+def assert_close(out, ref):
+    assert torch.isfinite(out).all(), "output has NaN/Inf (unwritten rows?)"
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < MAX_RELERR, f"relative error {err:.3e}"
+
+
+def run_checked(x, experts, weights, ids, **kw):
+    """fused_moe into a poisoned output, compared with the reference."""
+    out = torch.full((x.shape[0], experts.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mc.fused_moe(x, experts, weights, ids, out=out, **kw)
+    assert_close(out, mc.reference.fused_moe_float(x, experts, weights, ids, **kw))
+    return out
+
+
+@pytest.fixture(scope="module")
+def shape_experts():
+    """Experts of one DESIGN shape at a time (dsv3's take 6 GB)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache.clear()
+            torch.cuda.empty_cache()
+            E, H, I, _ = SHAPES[name]
+            cache[name] = random_experts(E, H, I, torch.Generator("cuda").manual_seed(len(name)))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("M", TOKENS)
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_design_shapes(shape_experts, name, M):
+    E, H, _, k = SHAPES[name]
+    gen = torch.Generator("cuda").manual_seed(M)
+    run_checked(random_hidden(M, H, gen), shape_experts(name), *random_routing(M, E, k, gen))
+
+
+@pytest.mark.parametrize("M", [1, 5, 300])
+def test_small_e8_k2(M):
+    gen = torch.Generator("cuda").manual_seed(1)
+    experts = random_experts(8, 256, 128, gen)
+    run_checked(random_hidden(M, 256, gen), experts, *random_routing(M, 8, 2, gen))
+
+
+@pytest.mark.parametrize("M", [3, 130])
+def test_gpt_oss_semantics(M):
+    """Interleaved gate/up rows, both biases, swiglu_oai with alpha 1.702 and limit 7."""
+    gen = torch.Generator("cuda").manual_seed(2)
+    experts = random_experts(8, 2880, 2880, gen, bias=True, gate_up="interleaved")
+    run_checked(random_hidden(M, 2880, gen) * 4, experts, *random_routing(M, 8, 4, gen),
+                activation="swiglu_oai", swiglu_alpha=1.702, swiglu_limit=7.0)
+
+
+def test_interleaved_order_matters():
+    """The same bytes read as concat and as interleaved must give different layers."""
+    gen = torch.Generator("cuda").manual_seed(3)
+    w13, w2 = random_mxfp4(4, 64, 96, gen), random_mxfp4(4, 96, 32, gen)
+    concat = mc.prepare_experts(*w13, *w2, gate_up="concat")
+    inter = mc.prepare_experts(*w13, *w2, gate_up="interleaved")
+    x = random_hidden(9, 96, gen)
+    weights, ids = random_routing(9, 4, 2, gen)
+    a = run_checked(x, concat, weights, ids)
+    b = run_checked(x, inter, weights, ids)
+    assert ((a.float() - b.float()).norm() / a.float().norm()).item() > 0.1
+
+
+@pytest.mark.parametrize("M", [2, 77])
+def test_deepseek_v4_semantics(M):
+    """silu with limit 10 and routed_scaling_factor 2.5."""
+    gen = torch.Generator("cuda").manual_seed(4)
+    experts = random_experts(16, 512, 256, gen)
+    run_checked(random_hidden(M, 512, gen) * 8, experts, *random_routing(M, 16, 6, gen),
+                swiglu_limit=10.0, routed_scaling_factor=2.5)
+
+
+@pytest.mark.parametrize("M", [1, 1000])
+def test_hot_expert(M):
+    gen = torch.Generator("cuda").manual_seed(5)
+    experts = random_experts(32, 256, 192, gen)
+    weights, ids = random_routing(M, 32, 1, gen)
+    run_checked(random_hidden(M, 256, gen), experts, weights, torch.full_like(ids, 17))
+
+
+def test_most_experts_empty():
+    gen = torch.Generator("cuda").manual_seed(6)
+    experts = random_experts(64, 256, 128, gen)
+    weights, ids = random_routing(40, 3, 2, gen)  # only experts 0..2 of 64
+    run_checked(random_hidden(40, 256, gen), experts, weights, ids * 20)
+
+
+def test_ids_out_of_range_and_expert_map():
+    gen = torch.Generator("cuda").manual_seed(7)
+    E = 8
+    experts = random_experts(E, 128, 64, gen)
+    weights, ids = random_routing(50, E, 4, gen)
+    ids[::3, 0] = -1
+    ids[1::3, 1] = E + 5
+    ids[2::7, 2] = 1 << 30
+    run_checked(random_hidden(50, 128, gen), experts, weights, ids)
+    # expert parallel: 16 global experts, this rank holds the odd ones
+    expert_map = torch.full((16,), -1, dtype=torch.int32, device="cuda")
+    expert_map[1::2] = torch.arange(E, dtype=torch.int32, device="cuda")
+    g_weights, g_ids = random_routing(50, 16, 4, gen)
+    run_checked(random_hidden(50, 128, gen), experts, g_weights, g_ids.long(), expert_map=expert_map)
+
+
+def test_all_ids_dropped_gives_zeros():
+    gen = torch.Generator("cuda").manual_seed(8)
+    experts = random_experts(4, 64, 32, gen)
+    out = torch.full((6, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+    weights, _ = random_routing(6, 4, 2, gen)
+    mc.fused_moe(random_hidden(6, 64, gen), experts, weights,
+                 torch.full((6, 2), -1, dtype=torch.int32, device="cuda"), out=out)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_zero_tokens():
+    gen = torch.Generator("cuda").manual_seed(9)
+    experts = random_experts(4, 64, 32, gen)
+    weights, ids = random_routing(0, 4, 2, gen)
+    out = mc.fused_moe(random_hidden(0, 64, gen), experts, weights, ids)
+    assert out.shape == (0, 64) and out.dtype == torch.bfloat16
+
+
+def test_deterministic():
+    gen = torch.Generator("cuda").manual_seed(10)
+    experts = random_experts(16, 512, 256, gen)
+    x = random_hidden(700, 512, gen)
+    weights, ids = random_routing(700, 16, 6, gen)
+    first = mc.fused_moe(x, experts, weights, ids)
+    for _ in range(3):
+        assert torch.equal(mc.fused_moe(x, experts, weights, ids), first)
+
+
+def test_cuda_graph_replay_with_new_inputs():
+    gen = torch.Generator("cuda").manual_seed(11)
+    E, H, M, k = 32, 256, 64, 4
+    experts = random_experts(E, H, 128, gen)
+    x = random_hidden(M, H, gen)
+    weights, ids = random_routing(M, E, k, gen)
+    out = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mc.fused_moe(x, experts, weights, ids, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mc.fused_moe(x, experts, weights, ids, out=out)
+    for _ in range(3):
+        new_weights, new_ids = random_routing(M, E, k, gen)
+        x.copy_(random_hidden(M, H, gen))
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert_close(out, mc.reference.fused_moe_float(x, experts, weights, ids))

@@ -1,0 +1,63 @@
+"""fused_moe argument checks: bad input raises a clear error before anything is launched.
+
+These run without a GPU: every check happens before the device is touched.
+"""
+import pytest
+import torch
+
+import moe_cutlass as mc
+
+E, H, I, M, K = 4, 64, 32, 5, 2
+
+
+@pytest.fixture(scope="module")
+def experts():
+    gen = torch.Generator().manual_seed(0)
+    w13 = mc.quantize_mxfp4(torch.randn(E, 2 * I, H, generator=gen))
+    w2 = mc.quantize_mxfp4(torch.randn(E, H, I, generator=gen))
+    return mc.prepare_experts(*w13, *w2)
+
+
+def args(**over):
+    base = dict(hidden_states=torch.randn(M, H).to(torch.bfloat16),
+                topk_weights=torch.rand(M, K),
+                topk_ids=torch.randint(0, E, (M, K), dtype=torch.int32))
+    base.update(over)
+    return base
+
+
+def call(experts, **over):
+    a = args(**over)
+    hidden = a.pop("hidden_states")
+    return mc.fused_moe(hidden, experts, a.pop("topk_weights"), a.pop("topk_ids"), **a)
+
+
+@pytest.mark.parametrize("over, error, words", [
+    (dict(hidden_states=torch.randn(M, H)), TypeError, "hidden_states"),
+    (dict(hidden_states=torch.randn(M, H + 32).to(torch.bfloat16)), ValueError, "hidden_states"),
+    (dict(hidden_states=torch.randn(H, M).to(torch.bfloat16).T), ValueError, "hidden_states"),
+    (dict(topk_ids=torch.rand(M, K)), TypeError, "topk_ids"),
+    (dict(topk_ids=torch.zeros(M + 1, K, dtype=torch.int32)), ValueError, "topk_ids"),
+    (dict(topk_weights=torch.rand(M, K).double()), TypeError, "topk_weights"),
+    (dict(topk_weights=torch.rand(M, K + 1)), ValueError, "topk_weights"),
+    (dict(activation="gelu"), ValueError, "activation"),
+    (dict(swiglu_limit=-1.0), ValueError, "swiglu_limit"),
+    (dict(routed_scaling_factor="2"), TypeError, "routed_scaling_factor"),
+    (dict(expert_map=torch.zeros(8, dtype=torch.int64)), TypeError, "expert_map"),
+    (dict(out=torch.empty(M, H)), TypeError, "out"),
+    (dict(out=torch.empty(M + 1, H, dtype=torch.bfloat16)), ValueError, "out"),
+])
+def test_bad_arguments_name_the_argument(experts, over, error, words):
+    with pytest.raises(error, match=words):
+        call(experts, **over)
+
+
+def test_experts_must_be_prepared():
+    with pytest.raises(TypeError, match="experts"):
+        mc.fused_moe(torch.randn(M, H).to(torch.bfloat16), object(), torch.rand(M, K),
+                     torch.zeros(M, K, dtype=torch.int32))
+
+
+def test_cpu_tensors_are_refused(experts):
+    with pytest.raises(ValueError, match="CUDA"):
+        call(experts)
