@@ -68,7 +68,8 @@ struct MoeSetupArgs {
   int32_t E, m_pad, k_pad, k_real;
 };
 
-__global__ void mc_moe_setup_kernel(MoeSetupArgs a) {
+// internal linkage: every instantiation TU has its own copy (one library, several configs)
+static __global__ void mc_moe_setup_kernel(MoeSetupArgs a) {
   int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= a.E) return;
   int32_t lo = a.offsets[e], hi = a.offsets[e + 1];

@@ -1,0 +1,52 @@
+"""Thin Python wrapper of the MoE grouped-GEMM C ABI (templates/sm90/moe_gemm.h.j2), for tests
+and benchmarks. The layer itself calls the library through the same functions.
+
+    mc_sm90_<config>(w_blocks, w_scales, bias, act, expert_offsets, row_weights, out,
+                     E, N, K, activation, swiglu_alpha, swiglu_limit, workspace, workspace_bytes, stream)
+"""
+
+import math
+
+import torch
+
+from . import _lib
+
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+GEMM1_CONFIG = "moe_gemm1_m128n32k128_coop"
+GEMM2_CONFIG = "moe_gemm2_m128n32k128_coop"
+
+
+def workspace_size(config: str, num_experts: int, device=None) -> int:
+    device = torch.device(device if device is not None else "cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return int(_lib.library().function(f"mc_sm90_{config}_workspace_size")(num_experts, sms))
+
+
+def workspace(config: str, num_experts: int, device=None) -> torch.Tensor:
+    return torch.empty(workspace_size(config, num_experts, device), dtype=torch.uint8,
+                       device=device if device is not None else "cuda")
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+def run(config: str, prepared: dict, act: torch.Tensor, expert_offsets: torch.Tensor, out: torch.Tensor,
+        N: int, K: int, row_weights=None, activation="silu", swiglu_alpha=1.702, swiglu_limit=None,
+        ws=None, stream=None, check=True) -> int:
+    """Launch one grouped GEMM. `prepared` is layout.prepare_w13/prepare_w2's dict (on the GPU).
+    Returns the status code (raises on non-zero when check=True)."""
+    E = prepared["blocks"].shape[0]
+    if ws is None:
+        ws = workspace(config, E, act.device)
+    if stream is None:
+        stream = torch.cuda.current_stream(act.device).cuda_stream
+    limit = math.inf if swiglu_limit is None else float(swiglu_limit)
+    act_code = ACTIVATIONS[activation] if isinstance(activation, str) else int(activation)
+    fn = _lib.library().function(f"mc_sm90_{config}")
+    status = fn(_ptr(prepared["blocks"]), _ptr(prepared["scales"]), _ptr(prepared.get("bias")), _ptr(act),
+                _ptr(expert_offsets), _ptr(row_weights), _ptr(out), E, N, K, act_code, float(swiglu_alpha),
+                limit, _ptr(ws), ws.numel(), stream)
+    if check and status != 0:
+        raise RuntimeError(f"mc_sm90_{config} failed: {_lib.library().error_string(status)} ({status})")
+    return status

@@ -1,0 +1,252 @@
+"""The SM90 MXFP4 x BF16 grouped GEMMs (templates/sm90/moe_gemm*), against float32 torch."""
+
+import math
+
+import pytest
+import torch
+
+from moe_cutlass import layout
+
+pytestmark = pytest.mark.gpu
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _gemm():
+    from moe_cutlass import _gemm
+    return _gemm
+
+
+def dequant(blocks, scales):
+    codes = torch.stack((blocks & 15, blocks >> 4), -1).flatten(-2).long()
+    vals = E2M1.to(blocks.device)[codes]
+    s = torch.pow(2.0, scales.double() - 127).float()
+    return vals * s.repeat_interleave(32, -1)
+
+
+def random_weights(E, N, K, gen, lo=118, hi=126):
+    blocks = torch.randint(0, 256, (E, N, K // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(lo, hi, (E, N, K // 32), generator=gen, dtype=torch.uint8)
+    return blocks, scales
+
+
+def offsets_of(counts):
+    return torch.tensor([0] + list(torch.tensor(counts).cumsum(0).tolist()), dtype=torch.int32)
+
+
+def relerr(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def ref_gemm2(W, b, x, w, counts):
+    outs, r = [], 0
+    for e, c in enumerate(counts):
+        y = x[r:r + c].float() @ W[e].T
+        if b is not None:
+            y = y + b[e]
+        outs.append(y * w[r:r + c, None])
+        r += c
+    return torch.cat(outs)
+
+
+def ref_act(g, u, activation, alpha, limit):
+    if limit is not None:
+        g = g.clamp(max=limit)
+        u = u.clamp(-limit, limit)
+    if activation == "silu":
+        return torch.nn.functional.silu(g) * u
+    return g * torch.sigmoid(alpha * g) * (u + 1)
+
+
+def ref_gemm1(W13, b13, x, counts, activation, alpha, limit):
+    """W13 [E, 2I, H] in concat order (gate rows then up rows)."""
+    I = W13.shape[1] // 2
+    outs, r = [], 0
+    for e, c in enumerate(counts):
+        h = x[r:r + c].float() @ W13[e].T
+        if b13 is not None:
+            h = h + b13[e]
+        outs.append(ref_act(h[:, :I], h[:, I:], activation, alpha, limit))
+        r += c
+    return torch.cat(outs)
+
+
+def to_cuda(d):
+    return {k: v.cuda() for k, v in d.items()}
+
+
+def run_gemm2(blocks, scales, bias, x, counts, w, extra_rows=3):
+    g = _gemm()
+    E, N, _ = blocks.shape
+    K = x.shape[1]
+    p = to_cuda(layout.prepare_w2(blocks, scales, bias))
+    off = offsets_of(counts).cuda()
+    total = sum(counts)
+    out = torch.full((total + extra_rows, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    g.run(g.GEMM2_CONFIG, p, x.cuda(), off, out, N, K, row_weights=w.cuda())
+    torch.cuda.synchronize()
+    return out
+
+
+def run_gemm1(blocks, scales, bias, x, counts, gate_up="concat", activation="silu", alpha=1.702, limit=None,
+              extra_rows=3):
+    g = _gemm()
+    E, N, _ = blocks.shape
+    K = x.shape[1]
+    p = to_cuda(layout.prepare_w13(blocks, scales, bias, gate_up))
+    off = offsets_of(counts).cuda()
+    total = sum(counts)
+    out = torch.full((total + extra_rows, N // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+    g.run(g.GEMM1_CONFIG, p, x.cuda(), off, out, N, K, activation=activation, swiglu_alpha=alpha,
+          swiglu_limit=limit)
+    torch.cuda.synchronize()
+    return out
+
+
+def test_converter_exact_all_codes_and_scales():
+    """One-hot activations through GEMM2 (row weight 1, no bias): out[r, m] = W[m, r] exactly, for
+    all 16 codes times scales 2^-20..2^20, a distinct scale in every 32-block."""
+    E, N, K = 1, 128, 384
+    codes = (torch.arange(N).view(N, 1) * 7 + torch.arange(K).view(1, K)) % 16
+    blocks = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(E, N, K // 2)
+    s = 107 + (torch.arange(N).view(N, 1) * 3 + torch.arange(K // 32).view(1, -1) * 5) % 41
+    scales = s.to(torch.uint8).view(E, N, K // 32)
+    x = torch.eye(K, dtype=torch.bfloat16)
+    w = torch.ones(K)
+    out = run_gemm2(blocks, scales, None, x, [K], w)
+    want = dequant(blocks, scales)[0].T.contiguous()                 # [K tokens, N]
+    got = out[:K].float().cpu()
+    assert torch.equal(got, want), f"{(got != want).sum().item()} mismatches"
+    assert torch.isnan(out[K:].float()).all(), "wrote past the last row"
+
+
+def test_distinct_random_scales_every_block():
+    """Random scales per 32-block over several k tiles: catches a per-tile scale (the wrong-scale trap)."""
+    gen = torch.Generator().manual_seed(1)
+    E, N, K = 1, 256, 320
+    blocks, scales = random_weights(E, N, K, gen, lo=110, hi=140)
+    x = torch.eye(K, dtype=torch.bfloat16)[:200]
+    out = run_gemm2(blocks, scales, None, x, [200], torch.ones(200))
+    want = dequant(blocks, scales)[0].T[:200]
+    assert torch.equal(out[:200].float().cpu(), want)
+
+
+@pytest.mark.parametrize("H,I", [(96, 160), (160, 96), (2880, 2880)])
+def test_grouped_gemm2(H, I):
+    gen = torch.Generator().manual_seed(H + I)
+    counts = [0, 5, 1, 37, 0, 3, 70] if H * I < 10**6 else [3, 0, 17, 1]
+    E = len(counts)
+    blocks, scales = random_weights(E, H, I, gen)
+    bias = torch.randn(E, H, generator=gen)
+    x = torch.randn(sum(counts), I, generator=gen).to(torch.bfloat16)
+    w = torch.rand(sum(counts), generator=gen)
+    out = run_gemm2(blocks, scales, bias, x, counts, w)
+    ref = ref_gemm2(dequant(blocks, scales), bias, x, w, counts)
+    total = sum(counts)
+    assert not torch.isnan(out[:total].float()).any(), "rows left unwritten"
+    assert torch.isnan(out[total:].float()).all(), "wrote past the last row"
+    assert relerr(out[:total].cpu(), ref) < 1e-2
+
+
+@pytest.mark.parametrize("H,I", [(96, 160), (160, 96), (2880, 2880)])
+@pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
+def test_grouped_gemm1(H, I, gate_up):
+    gen = torch.Generator().manual_seed(H * 3 + I)
+    counts = [0, 5, 1, 37, 0, 3, 70] if H * I < 10**6 else [3, 0, 17, 1]
+    E = len(counts)
+    blocks, scales = random_weights(E, 2 * I, H, gen)
+    bias = torch.randn(E, 2 * I, generator=gen)
+    x = torch.randn(sum(counts), H, generator=gen).to(torch.bfloat16)
+    out = run_gemm1(blocks, scales, bias, x, counts, gate_up=gate_up)
+    W = dequant(blocks, scales)
+    b = bias
+    if gate_up == "interleaved":
+        order = torch.cat((torch.arange(0, 2 * I, 2), torch.arange(1, 2 * I, 2)))
+        W, b = W[:, order], b[:, order]
+    ref = ref_gemm1(W, b, x, counts, "silu", 1.702, None)
+    total = sum(counts)
+    assert not torch.isnan(out[:total].float()).any(), "rows left unwritten"
+    assert torch.isnan(out[total:].float()).all(), "wrote past the last row"
+    assert relerr(out[:total].cpu(), ref) < 1e-2
+
+
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+@pytest.mark.parametrize("limit", [None, 7.0])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_activations(activation, limit, with_bias):
+    gen = torch.Generator().manual_seed(5)
+    H, I, counts = 128, 96, [9, 0, 20]
+    E = len(counts)
+    blocks, scales = random_weights(E, 2 * I, H, gen, lo=124, hi=130)   # large pre-activations: limit matters
+    bias = 4 * torch.randn(E, 2 * I, generator=gen) if with_bias else None
+    x = torch.randn(sum(counts), H, generator=gen).to(torch.bfloat16)
+    out = run_gemm1(blocks, scales, bias, x, counts, activation=activation, alpha=1.702, limit=limit)
+    ref = ref_gemm1(dequant(blocks, scales), bias, x, counts, activation, 1.702, limit)
+    assert relerr(out[:sum(counts)].cpu(), ref) < 1e-2
+
+
+def test_deterministic():
+    gen = torch.Generator().manual_seed(9)
+    H, I, counts = 256, 128, [40, 0, 90, 7]
+    blocks, scales = random_weights(len(counts), H, I, gen)
+    x = torch.randn(sum(counts), I, generator=gen).to(torch.bfloat16)
+    w = torch.rand(sum(counts), generator=gen)
+    a = run_gemm2(blocks, scales, None, x, counts, w)
+    b = run_gemm2(blocks, scales, None, x, counts, w)
+    assert torch.equal(a.view(torch.int16)[:sum(counts)], b.view(torch.int16)[:sum(counts)])
+
+
+def test_cuda_graph_replay_new_offsets():
+    """Capture one GEMM2 launch; replays honour new offsets and data written into the same buffers."""
+    g = _gemm()
+    gen = torch.Generator().manual_seed(3)
+    E, H, I, cap = 5, 160, 96, 64
+    blocks, scales = random_weights(E, H, I, gen)
+    p = to_cuda(layout.prepare_w2(blocks, scales, None))
+    W = dequant(blocks, scales)
+    x = torch.zeros(cap, I, dtype=torch.bfloat16, device="cuda")
+    w = torch.zeros(cap, device="cuda")
+    off = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+    out = torch.zeros(cap, H, dtype=torch.bfloat16, device="cuda")
+    ws = g.workspace(g.GEMM2_CONFIG, E)
+    stream = torch.cuda.Stream()
+    # warm-up (host-side initialisation) outside capture
+    with torch.cuda.stream(stream):
+        g.run(g.GEMM2_CONFIG, p, x, off, out, H, I, row_weights=w, ws=ws)
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        g.run(g.GEMM2_CONFIG, p, x, off, out, H, I, row_weights=w, ws=ws)
+    for counts in ([3, 0, 20, 1, 9], [0, 0, 0, 0, 0], [0, 33, 0, 0, 31], [1, 1, 1, 1, 1]):
+        n = sum(counts)
+        xs = torch.randn(n, I, generator=gen).to(torch.bfloat16)
+        ws_ = torch.rand(n, generator=gen)
+        x.zero_()
+        x[:n] = xs.cuda()
+        w[:n] = ws_.cuda()
+        off.copy_(offsets_of(counts))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        if n:
+            ref = ref_gemm2(W, None, xs, ws_, counts)
+            assert relerr(out[:n].cpu(), ref) < 1e-2, counts
+        assert torch.isnan(out[n:].float()).all()
+
+
+def test_bad_arguments_return_errors():
+    g = _gemm()
+    gen = torch.Generator().manual_seed(0)
+    blocks, scales = random_weights(2, 64, 64, gen)
+    p = to_cuda(layout.prepare_w2(blocks, scales, None))
+    x = torch.zeros(4, 64, dtype=torch.bfloat16, device="cuda")
+    off = offsets_of([2, 2]).cuda()
+    out = torch.zeros(4, 64, dtype=torch.bfloat16, device="cuda")
+    w = torch.ones(4, device="cuda")
+    assert g.run(g.GEMM2_CONFIG, p, x, off, out, 64, 48, row_weights=w, check=False) != 0    # K % 32
+    assert g.run(g.GEMM2_CONFIG, p, x, off, out, 64, 64, row_weights=None, check=False) != 0  # no row weights
+    small = torch.empty(16, dtype=torch.uint8, device="cuda")
+    assert g.run(g.GEMM2_CONFIG, p, x, off, out, 64, 64, row_weights=w, ws=small, check=False) != 0
+    assert g.run(g.GEMM1_CONFIG, p, x, off, out, 64, 64, activation=5, check=False) != 0
+    torch.cuda.synchronize()
