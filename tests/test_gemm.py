@@ -18,7 +18,23 @@ def _gemm():
     return _gemm
 
 
+def _configs(kind):
+    """Every GEMM<kind> config the built library holds (the default one when it cannot load)."""
+    try:
+        from moe_cutlass import _lib
+        found = [k for k in _lib.library().kernels if k.startswith(f"moe_gemm{kind}_")]
+    except Exception:
+        found = []
+    return found or [f"moe_gemm{kind}_m128n32k128_coop"]
+
+
+CONFIGS1 = _configs(1)
+CONFIGS2 = _configs(2)
+
+
 def dequant(blocks, scales):
+    if torch.cuda.is_available() and not blocks.is_cuda:
+        return dequant(blocks.cuda(), scales.cuda()).cpu()
     codes = torch.stack((blocks & 15, blocks >> 4), -1).flatten(-2).long()
     vals = E2M1.to(blocks.device)[codes]
     s = torch.pow(2.0, scales.double() - 127).float()
@@ -76,35 +92,38 @@ def to_cuda(d):
     return {k: v.cuda() for k, v in d.items()}
 
 
-def run_gemm2(blocks, scales, bias, x, counts, w, extra_rows=3):
+def run_gemm2(blocks, scales, bias, x, counts, w, extra_rows=3, config=None):
     g = _gemm()
+    config = config or g.GEMM2_CONFIG
     E, N, _ = blocks.shape
     K = x.shape[1]
-    p = to_cuda(layout.prepare_w2(blocks, scales, bias))
+    p = layout.prepare_w2(blocks.cuda(), scales.cuda(), None if bias is None else bias.cuda())
     off = offsets_of(counts).cuda()
     total = sum(counts)
     out = torch.full((total + extra_rows, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    g.run(g.GEMM2_CONFIG, p, x.cuda(), off, out, N, K, row_weights=w.cuda())
+    g.run(config, p, x.cuda(), off, out, N, K, row_weights=w.cuda())
     torch.cuda.synchronize()
     return out
 
 
 def run_gemm1(blocks, scales, bias, x, counts, gate_up="concat", activation="silu", alpha=1.702, limit=None,
-              extra_rows=3):
+              extra_rows=3, config=None):
     g = _gemm()
+    config = config or g.GEMM1_CONFIG
     E, N, _ = blocks.shape
     K = x.shape[1]
-    p = to_cuda(layout.prepare_w13(blocks, scales, bias, gate_up))
+    p = layout.prepare_w13(blocks.cuda(), scales.cuda(), None if bias is None else bias.cuda(), gate_up)
     off = offsets_of(counts).cuda()
     total = sum(counts)
     out = torch.full((total + extra_rows, N // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
-    g.run(g.GEMM1_CONFIG, p, x.cuda(), off, out, N, K, activation=activation, swiglu_alpha=alpha,
+    g.run(config, p, x.cuda(), off, out, N, K, activation=activation, swiglu_alpha=alpha,
           swiglu_limit=limit)
     torch.cuda.synchronize()
     return out
 
 
-def test_converter_exact_all_codes_and_scales():
+@pytest.mark.parametrize("config", CONFIGS2)
+def test_converter_exact_all_codes_and_scales(config):
     """One-hot activations through GEMM2 (row weight 1, no bias): out[r, m] = W[m, r] exactly, for
     all 16 codes times scales 2^-20..2^20, a distinct scale in every 32-block."""
     E, N, K = 1, 128, 384
@@ -114,26 +133,28 @@ def test_converter_exact_all_codes_and_scales():
     scales = s.to(torch.uint8).view(E, N, K // 32)
     x = torch.eye(K, dtype=torch.bfloat16)
     w = torch.ones(K)
-    out = run_gemm2(blocks, scales, None, x, [K], w)
+    out = run_gemm2(blocks, scales, None, x, [K], w, config=config)
     want = dequant(blocks, scales)[0].T.contiguous()                 # [K tokens, N]
     got = out[:K].float().cpu()
     assert torch.equal(got, want), f"{(got != want).sum().item()} mismatches"
     assert torch.isnan(out[K:].float()).all(), "wrote past the last row"
 
 
-def test_distinct_random_scales_every_block():
+@pytest.mark.parametrize("config", CONFIGS2)
+def test_distinct_random_scales_every_block(config):
     """Random scales per 32-block over several k tiles: catches a per-tile scale (the wrong-scale trap)."""
     gen = torch.Generator().manual_seed(1)
     E, N, K = 1, 256, 320
     blocks, scales = random_weights(E, N, K, gen, lo=110, hi=140)
     x = torch.eye(K, dtype=torch.bfloat16)[:200]
-    out = run_gemm2(blocks, scales, None, x, [200], torch.ones(200))
+    out = run_gemm2(blocks, scales, None, x, [200], torch.ones(200), config=config)
     want = dequant(blocks, scales)[0].T[:200]
     assert torch.equal(out[:200].float().cpu(), want)
 
 
+@pytest.mark.parametrize("config", CONFIGS2)
 @pytest.mark.parametrize("H,I", [(96, 160), (160, 96), (2880, 2880)])
-def test_grouped_gemm2(H, I):
+def test_grouped_gemm2(H, I, config):
     gen = torch.Generator().manual_seed(H + I)
     counts = [0, 5, 1, 37, 0, 3, 70] if H * I < 10**6 else [3, 0, 17, 1]
     E = len(counts)
@@ -141,7 +162,7 @@ def test_grouped_gemm2(H, I):
     bias = torch.randn(E, H, generator=gen)
     x = torch.randn(sum(counts), I, generator=gen).to(torch.bfloat16)
     w = torch.rand(sum(counts), generator=gen)
-    out = run_gemm2(blocks, scales, bias, x, counts, w)
+    out = run_gemm2(blocks, scales, bias, x, counts, w, config=config)
     ref = ref_gemm2(dequant(blocks, scales), bias, x, w, counts)
     total = sum(counts)
     assert not torch.isnan(out[:total].float()).any(), "rows left unwritten"
@@ -151,14 +172,15 @@ def test_grouped_gemm2(H, I):
 
 @pytest.mark.parametrize("H,I", [(96, 160), (160, 96), (2880, 2880)])
 @pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
-def test_grouped_gemm1(H, I, gate_up):
+@pytest.mark.parametrize("config", CONFIGS1)
+def test_grouped_gemm1(H, I, gate_up, config):
     gen = torch.Generator().manual_seed(H * 3 + I)
     counts = [0, 5, 1, 37, 0, 3, 70] if H * I < 10**6 else [3, 0, 17, 1]
     E = len(counts)
     blocks, scales = random_weights(E, 2 * I, H, gen)
     bias = torch.randn(E, 2 * I, generator=gen)
     x = torch.randn(sum(counts), H, generator=gen).to(torch.bfloat16)
-    out = run_gemm1(blocks, scales, bias, x, counts, gate_up=gate_up)
+    out = run_gemm1(blocks, scales, bias, x, counts, gate_up=gate_up, config=config)
     W = dequant(blocks, scales)
     b = bias
     if gate_up == "interleaved":
@@ -174,14 +196,16 @@ def test_grouped_gemm1(H, I, gate_up):
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
 @pytest.mark.parametrize("limit", [None, 7.0])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_activations(activation, limit, with_bias):
+@pytest.mark.parametrize("config", CONFIGS1)
+def test_activations(activation, limit, with_bias, config):
     gen = torch.Generator().manual_seed(5)
     H, I, counts = 128, 96, [9, 0, 20]
     E = len(counts)
     blocks, scales = random_weights(E, 2 * I, H, gen, lo=124, hi=130)   # large pre-activations: limit matters
     bias = 4 * torch.randn(E, 2 * I, generator=gen) if with_bias else None
     x = torch.randn(sum(counts), H, generator=gen).to(torch.bfloat16)
-    out = run_gemm1(blocks, scales, bias, x, counts, activation=activation, alpha=1.702, limit=limit)
+    out = run_gemm1(blocks, scales, bias, x, counts, activation=activation, alpha=1.702, limit=limit,
+                    config=config)
     ref = ref_gemm1(dequant(blocks, scales), bias, x, counts, activation, 1.702, limit)
     assert relerr(out[:sum(counts)].cpu(), ref) < 1e-2
 
@@ -250,3 +274,15 @@ def test_bad_arguments_return_errors():
     assert g.run(g.GEMM2_CONFIG, p, x, off, out, 64, 64, row_weights=w, ws=small, check=False) != 0
     assert g.run(g.GEMM1_CONFIG, p, x, off, out, 64, 64, activation=5, check=False) != 0
     torch.cuda.synchronize()
+
+
+def test_layout_same_on_cpu_and_gpu():
+    gen = torch.Generator().manual_seed(12)
+    blocks, scales = random_weights(3, 192, 160, gen)
+    bias = torch.randn(3, 192, generator=gen)
+    for fn, args in ((layout.prepare_w13, ("interleaved",)), (layout.prepare_w2, ())):
+        a = fn(blocks, scales, bias, *args)
+        b = fn(blocks.cuda(), scales.cuda(), bias.cuda(), *args)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k].cpu()), k

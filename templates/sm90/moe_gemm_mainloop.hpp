@@ -360,7 +360,10 @@ struct Mxfp4MoeMainloop {
     int const row0 = slab * 64 + (wg_thread / 32) * 16 + (wg_thread % 32) / 4;   // rows row0, row0+8
 
     PipelineState smem_pipe_release = smem_pipe_read;
-    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    // Zero the accumulators up front and always accumulate: a runtime scale-d flag inside the
+    // k-tile loop is a non-wgmma definition of a wgmma input and makes ptxas serialize (C7513).
+    clear(accum);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
     warpgroup_fence_operand(accum);
 
     bool first = true;
@@ -385,17 +388,16 @@ struct Mxfp4MoeMainloop {
         sc[g][1] = mc_e8m0_to_bf16x2(s[8]);
       }
 
+      // Drain the previous k tile's GMMAs: its A registers are reused and its stage released.
+      warpgroup_wait<0>();
       warpgroup_fence_operand(accum);
+      warpgroup_fence_operand(tCrA);
+      if (!first) {
+        pipeline.consumer_release(smem_pipe_release);
+        ++smem_pipe_release;
+      }
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < KBlocks; ++kb) {
-        // frag kb is free once the previous tile's k-block kb retired: <= KBlocks-1 pending.
-        warpgroup_wait<KBlocks - 1>();
-        warpgroup_fence_operand(tCrA);
-        if (kb == KBlocks - 1 && !first) {
-          // all GMMAs of the previous k tile are done: release its stage
-          pipeline.consumer_release(smem_pipe_release);
-          ++smem_pipe_release;
-        }
         uint32_t f[4];
         mc_e2m1x8_to_bf16(words[kb], f);
         uint32_t const s0 = sc[kb / 2][0], s1 = sc[kb / 2][1];
@@ -406,7 +408,6 @@ struct Mxfp4MoeMainloop {
         warpgroup_fence_operand(tCrA);
         warpgroup_arrive();
         cute::gemm(tiled_mma, tCrA(_, _, kb), tCrB(_, _, kb, stage), accum);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
         warpgroup_commit_batch();
       }
       warpgroup_fence_operand(accum);
