@@ -66,6 +66,8 @@ def bench(configs=None, shapes=None, reps=50):
         ("gptoss_m64", 128, 128, 2, 2880, 2880),
         ("gptoss_m1024", 128, 128, 32, 2880, 2880),
         ("gptoss_m16384", 128, 128, 512, 2880, 2880),
+        ("qwen3_decode_m4", 128, 32, 1, 2048, 768),
+        ("dsv3_decode_m4", 256, 32, 1, 7168, 2048),
     ]
     dev = torch.device("cuda")
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device=dev)
@@ -93,18 +95,31 @@ def bench(configs=None, shapes=None, reps=50):
                 if not cfg.startswith(f"moe_gemm{kind}_"):
                     continue
                 ws = workspace(cfg, E, dev)
-                times = []
-                for _ in range(reps + 3):
-                    flush.zero_()
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
+                stream = torch.cuda.Stream(dev)
+                with torch.cuda.stream(stream):
                     run(cfg, prepared, act, off, out, N, K, row_weights=rw, ws=ws)
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b) * 1e3)
-                us = sorted(times[3:])[len(times[3:]) // 2]
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, stream=stream):
+                        run(cfg, prepared, act, off, out, N, K, row_weights=rw, ws=ws)
+                    res = {}
+                    for mode in ("graph", "eager"):
+                        times = []
+                        for _ in range(reps + 3):
+                            flush.zero_()
+                            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                            a.record()
+                            if mode == "graph":
+                                graph.replay()
+                            else:
+                                run(cfg, prepared, act, off, out, N, K, row_weights=rw, ws=ws)
+                            b.record()
+                            b.synchronize()
+                            times.append(a.elapsed_time(b) * 1e3)
+                        res[mode] = sorted(times[3:])[len(times[3:]) // 2]
+                us = res["graph"]
                 row = {"config": cfg, "shape": label, "M_rows": total, "N": N, "K": K, "us": round(us, 2),
-                       "floor_us": round(floor_us, 2), "x_floor": round(us / floor_us, 2)}
+                       "eager_us": round(res["eager"], 2), "floor_us": round(floor_us, 2),
+                       "x_floor": round(us / floor_us, 2), "TBps": round(bytes_ / us / 1e6, 2)}
                 print(row, flush=True)
                 rows_out.append(row)
     return rows_out

@@ -4,12 +4,13 @@ Pure torch, CPU or CUDA, deterministic; runs once per model load.
 
 Prepared tensors (dict values; the expert is dim 0 of every tensor):
 
-- ``blocks``: uint8 [E, Npad, Kp/2]. Npad = roundup(N, 128) weight rows, Kp = roundup(K, 64).
-  Padding holds zero codes. Inside each 64-row x 64-K "unit" the 2048 bytes are permuted so
-  that thread t (0..127) of a consumer warpgroup finds its RS-WGMMA A fragments for the
-  unit's 4 k-blocks (16 K each) in 16 contiguous bytes at unit offset 16*t (one 128-bit
-  ld.shared); unit offset o sits at row 64*slab + o // 32, byte column 32*unit + o % 32, so a
-  TMA box of (TileM rows, TileK/2 bytes) brings whole units into shared memory.
+- ``blocks``: uint8 [E, Npad/64, Kp/64, 2048]. Npad = roundup(N, 128) weight rows, Kp =
+  roundup(K, 64); padding holds zero codes. The weights are cut into 64-row x 64-K "units"
+  (slab s = rows [64s, 64s+64), unit u = K [64u, 64u+64)), each stored as 2048 contiguous bytes,
+  the units of a slab back to back along K: a weight tile (TileM x TileK) is TileM/64 runs of
+  TileK/64 * 2 KB, which the kernel's TMA copies as is. Inside a unit, thread t (0..127) of a
+  consumer warpgroup finds its RS-WGMMA A fragments for the unit's 4 k-blocks (16 K each) in the
+  16 bytes at offset 16*t (one conflict-free 128-bit ld.shared).
   Each 32-bit word of a fragment holds the 8 values v = 0..7 of one k-block in the m64k16
   register order (v: k + (v & 1), row + 8 * ((v >> 1) & 1), k + 8 * (v >> 2), with row =
   16 * (t // 32) + (t % 32) // 4 and k = 2 * (t % 4)); value v has its 3 magnitude bits at bits
@@ -78,7 +79,7 @@ def _rows_w13(I: int, gate_up: str, device) -> torch.Tensor:
 
 
 def _swizzle_codes(codes: torch.Tensor) -> torch.Tensor:
-    """codes uint8 [E, Npad, Kp] (logical, padded) -> prepared blocks uint8 [E, Npad, Kp/2]."""
+    """codes uint8 [E, Npad, Kp] (logical, padded) -> prepared blocks uint8 [E, Npad/64, Kp/64, 2048]."""
     E, Np, Kp = codes.shape
     S, U = Np // UNIT_M, Kp // UNIT_K
     idx = _unit_index(codes.device)
@@ -88,16 +89,14 @@ def _swizzle_codes(codes: torch.Tensor) -> torch.Tensor:
     sign = g >> 3
     slots = mag | (sign[..., list(SIGN_OF_SLOT)] << 3)                  # (t, kb, slot)
     data = slots[..., 0::2] | (slots[..., 1::2] << 4)                   # (t, kb, byte) = 16 B per thread
-    data = data.reshape(E, S, U, UNIT_M, 32)                             # unit offset o -> (o // 32, o % 32)
-    return data.permute(0, 1, 3, 2, 4).reshape(E, Np, Kp // 2)
+    return data.reshape(E, S, U, 2048)                                   # unit offset o = 16 t + byte
 
 
 def _unswizzle_codes(blocks: torch.Tensor) -> torch.Tensor:
     """Exact inverse of _swizzle_codes."""
-    E, Np, half = blocks.shape
-    Kp = 2 * half
-    S, U = Np // UNIT_M, Kp // UNIT_K
-    data = blocks.reshape(E, S, UNIT_M, U, 32).permute(0, 1, 3, 2, 4).reshape(E, S, U, 128, 4, 4)
+    E, S, U, _ = blocks.shape
+    Np, Kp = S * UNIT_M, U * UNIT_K
+    data = blocks.reshape(E, S, U, 128, 4, 4)
     slots = torch.stack((data & 0x0F, data >> 4), dim=-1).flatten(-2)    # (t, kb, slot)
     mag = slots & 7
     sign = torch.empty_like(slots)
@@ -131,7 +130,7 @@ def _prepare(blocks, scales, bias, rows):
         scales = scales.index_select(1, rows)
         if bias is not None:
             bias = bias.index_select(1, rows)
-    out_blocks = torch.empty(E, Np, Kp // 2, dtype=torch.uint8, device=dev)
+    out_blocks = torch.empty(E, Np // UNIT_M, Kp // UNIT_K, 2048, dtype=torch.uint8, device=dev)
     for e0, e1 in _chunks(E, Np * Kp):
         codes = torch.zeros(e1 - e0, Np, Kp, dtype=torch.uint8, device=dev)
         codes[:, :N, :K] = _unpack_codes(blocks[e0:e1])
@@ -150,7 +149,7 @@ def _unprepare(prepared, N, K, rows):
     blocks, scales = prepared["blocks"], prepared["scales"]
     E = blocks.shape[0]
     Np, Kp = round_up(N, ROW_PAD), round_up(K, K_PAD)
-    if tuple(blocks.shape) != (E, Np, Kp // 2) or tuple(scales.shape) != (E, Kp // 32, Np):
+    if tuple(blocks.shape) != (E, Np // UNIT_M, Kp // UNIT_K, 2048) or tuple(scales.shape) != (E, Kp // 32, Np):
         raise ValueError(f"prepared tensors do not match N={N}, K={K}: blocks {tuple(blocks.shape)}, "
                          f"scales {tuple(scales.shape)}")
     out_blocks = torch.empty(E, N, K // 2, dtype=torch.uint8, device=blocks.device)

@@ -30,7 +30,7 @@ def test_w13_round_trip(H, I, gate_up):
     blocks, scales, bias = _random(3, 2 * I, H, seed=H + I)
     p = layout.prepare_w13(blocks, scales, bias, gate_up)
     Np, Kp = layout.round_up(2 * I, 128), layout.round_up(H, 64)
-    assert p["blocks"].shape == (3, Np, Kp // 2) and p["blocks"].dtype == torch.uint8
+    assert p["blocks"].shape == (3, Np // 64, Kp // 64, 2048) and p["blocks"].dtype == torch.uint8
     assert p["scales"].shape == (3, Kp // 32, Np) and p["scales"].dtype == torch.uint8
     assert p["bias"].shape == (3, Np) and p["bias"].dtype == torch.float32
     b2, s2, bias2 = layout.unprepare_w13(p, H, I)
@@ -135,7 +135,7 @@ def test_kernel_read_emulation():
     blocks, scales, _ = _random(E, N, K, seed=11, bias=False)
     p = layout.prepare_w2(blocks, scales)
     ref = _dequant(blocks, scales)[0]
-    Kp = p["blocks"].shape[2] * 2
+    Kp = p["blocks"].shape[2] * 64
     raw = p["blocks"][0].reshape(-1).tolist()
     sc = p["scales"][0]
     got = torch.zeros(N, K)
@@ -146,8 +146,9 @@ def test_kernel_read_emulation():
                 row0 = slab * 64 + (t // 32) * 16 + (t % 32) // 4
                 for kb in range(TileK // 16):
                     u, w = kb // 4, kb % 4
-                    # smem row = slab*64 + t//2 holds gmem row bytes [ktile*TileK/2, +TileK/2)
-                    base = (slab * 64 + t // 2) * (Kp // 2) + ktile * (TileK // 2) + u * 32 + (t % 2) * 16 + 4 * w
+                    # the tile's units lie contiguous: [slab][unit][2048 B], thread t at 16 t
+                    unit = ktile * (TileK // 64) + u
+                    base = (slab * (Kp // 64) + unit) * 2048 + 16 * t + 4 * w
                     q = raw[base] | raw[base + 1] << 8 | raw[base + 2] << 16 | raw[base + 3] << 24
                     vals = [_bf16(x) for x in _convert(q)]
                     g = (ktile * TileK + kb * 16) // 32

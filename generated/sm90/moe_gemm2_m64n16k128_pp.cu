@@ -5,7 +5,7 @@
 // The exported ABI, declared ahead of the definitions so the compiler checks they agree.
 extern "C" {
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m64n16k128_pp: GEMM2, tile 64x16x128, pingpong.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad, Kp/2], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [rows, K] in expert order, row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstddef>
 #include <cmath>
+#include <cstring>
+#include <mutex>
 
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/dispatch_policy.hpp"
@@ -149,6 +151,29 @@ inline size_t moe_gemm_workspace_size(int32_t E, int32_t num_sms) {
   return workspace_layout<Cfg>(E, num_sms).total;
 }
 
+// Host-side cache of the last kernel Params per config: a serving loop that reuses its buffers
+// skips the TMA descriptor encoding and cudaFuncSetAttribute (host work only; the key holds
+// every host value the Params depend on).
+struct MoeParamKey {
+  int device;
+  const void* ptrs[8];
+  int32_t E, N, K, activation;
+  float alpha, limit;
+  size_t workspace_bytes;
+};
+
+template <class Cfg>
+struct MoeParamCache {
+  std::mutex mutex;
+  bool valid = false;
+  MoeParamKey key;
+  typename Cfg::Gemm::Params params;
+  static MoeParamCache& get() {
+    static MoeParamCache cache;
+    return cache;
+  }
+};
+
 template <class Cfg, int Kind>
 inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float* bias, const void* act,
                         const int32_t* expert_offsets, const float* row_weights, void* out, int32_t E, int32_t N,
@@ -198,12 +223,36 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
   epi.activation = activation;
   epi.alpha = swiglu_alpha;
   epi.limit = swiglu_limit;
-  auto args = make_args<Cfg>(E, sms, sa.shapes, sa.ptr_A, sa.ptr_B, sa.ptr_S, sa.dA, sa.dB, m_pad, k_pad, K, epi);
+  MoeParamKey key;
+  std::memset(&key, 0, sizeof(key));
+  cudaGetDevice(&key.device);
+  key.ptrs[0] = w_blocks; key.ptrs[1] = w_scales; key.ptrs[2] = bias; key.ptrs[3] = act;
+  key.ptrs[4] = expert_offsets; key.ptrs[5] = row_weights; key.ptrs[6] = out; key.ptrs[7] = workspace;
+  key.E = E; key.N = N; key.K = K; key.activation = activation;
+  key.alpha = swiglu_alpha; key.limit = swiglu_limit; key.workspace_bytes = workspace_bytes;
 
-  typename Cfg::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kInvalid;
-  if (gemm.initialize(args, ws + L.cutlass_ws, stream) != cutlass::Status::kSuccess) return int(cudaErrorLaunchFailure);
-  if (gemm.run(stream) != cutlass::Status::kSuccess) {
+  auto& cache = MoeParamCache<Cfg>::get();
+  typename Cfg::Gemm::Params params;
+  bool hit = false;
+  {
+    std::lock_guard<std::mutex> lock(cache.mutex);
+    if (cache.valid && std::memcmp(&cache.key, &key, sizeof(key)) == 0) {
+      params = cache.params;
+      hit = true;
+    }
+  }
+  if (!hit) {
+    auto args = make_args<Cfg>(E, sms, sa.shapes, sa.ptr_A, sa.ptr_B, sa.ptr_S, sa.dA, sa.dB, m_pad, k_pad, K, epi);
+    typename Cfg::Gemm gemm;
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kInvalid;
+    if (gemm.initialize(args, ws + L.cutlass_ws, stream) != cutlass::Status::kSuccess) return int(cudaErrorLaunchFailure);
+    params = gemm.params();
+    std::lock_guard<std::mutex> lock(cache.mutex);
+    cache.key = key;
+    cache.params = params;
+    cache.valid = true;
+  }
+  if (Cfg::Gemm::run(params, stream) != cutlass::Status::kSuccess) {
     err = cudaGetLastError();
     return err != cudaSuccess ? int(err) : int(cudaErrorLaunchFailure);
   }

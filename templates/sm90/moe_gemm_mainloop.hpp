@@ -7,11 +7,12 @@
 // KernelPtrArrayTmaWarpSpecializedCooperative / Pingpong) and the grouped tile scheduler.
 //
 // What differs from upstream (and why):
-//  1. Operand A is MXFP4 weights in OUR prepared layout (moe_cutlass/layout.py): each 64-row x
-//     64-K "unit" of a weight tile is stored so that thread t of a warpgroup finds its whole
-//     RS-WGMMA A fragment for the unit (4 k-blocks x 8 values) in 16 contiguous bytes. The
-//     smem tile is NOT swizzled; each thread does one 128-bit ld.shared per unit instead of
-//     cute's smem->rmem tiled copy (upstream: copy_tensors_MK + retiled fragments).
+//  1. Operand A is MXFP4 weights in OUR prepared layout (moe_cutlass/layout.py): 64-row x 64-K
+//     "units" of 2 KB, contiguous along K inside a 64-row slab, so a weight tile is TileM/64
+//     contiguous runs (the A TMA uses a (32 B, unit rows, slabs) view, not (M, K)). Inside a unit,
+//     thread t of a warpgroup finds its whole RS-WGMMA A fragment for the unit (4 k-blocks x 8
+//     values) in the 16 bytes at 16*t: one conflict-free 128-bit ld.shared per unit instead of
+//     cute's smem->rmem tiled copy (upstream: swizzled tile, copy_tensors_MK + retiled fragments).
 //  2. Scales are per 32 K elements (upstream: one scale per row per K tile, a static_assert, and
 //     a silently wrong result when chunk_size=32 is given with device-only shapes). The scale
 //     tile is (TileM, TileK/32) uint8 E8M0 with M contiguous in gmem ([E][K/32][Npad]), loaded by
@@ -101,7 +102,7 @@ struct Mxfp4MoeMainloop {
   static constexpr int TileM = size<0>(TileShape{});
   static constexpr int TileN = size<1>(TileShape{});
   static constexpr int TileK = size<2>(TileShape{});
-  static_assert(TileM % 64 == 0 && TileK % 64 == 0 && TileK <= 128 && TileN % 8 == 0 && TileN <= 256);
+  static_assert(TileM % 64 == 0 && TileK % 64 == 0 && TileK <= 256 && TileN % 8 == 0 && TileN <= 256);
   static constexpr int UnitsPerTile = TileK / 64;     // 64-K units per k tile (one 16B load each)
   static constexpr int KBlocks = TileK / 16;          // m64nNk16 k-blocks per k tile
   static constexpr int Groups = TileK / 32;           // MX scale groups per k tile
@@ -129,8 +130,12 @@ struct Mxfp4MoeMainloop {
 
   // smem layouts: A is plain K-major (no swizzle: our own addressing), B uses the GMMA 128B
   // swizzle, scales are M-major (TileM, TileK/32).
-  using SmemLayoutA = Layout<Shape<Int<TileM>, Int<TileK>, Int<Stages>>,
-                             Stride<Int<TileK>, _1, Int<TileM * TileK>>>;
+  // A as raw bytes: (32 B, 64 rows x TileK/64 units, TileM/64 slabs) per stage, i.e. the tile's
+  // 2 KB units back to back ([slab][unit][2048 B]), exactly as they lie in global memory.
+  static constexpr int SlabsPerTile = TileM / 64;
+  using SmemLayoutA = Layout<Shape<_32, Int<64 * UnitsPerTile>, Int<SlabsPerTile>, Int<Stages>>,
+                             Stride<_1, _32, Int<2048 * UnitsPerTile>, Int<TileM * TileK / 2>>>;
+  using TileShapeA = Shape<_32, Int<64 * UnitsPerTile>, Int<SlabsPerTile>>;
   using SmemLayoutAtomB = GMMA::Layout_K_SW128_Atom<ElementMma>;
   using SmemLayoutB = decltype(tile_to_shape(SmemLayoutAtomB{},
       make_shape(Int<TileN>{}, Int<TileK>{}, Int<Stages>{}), Step<_1, _2, _3>{}));
@@ -150,7 +155,7 @@ struct Mxfp4MoeMainloop {
 
   struct SharedStorage {
     struct TensorStorage {
-      CUTE_ALIGNAS(1024) cute::ArrayEngine<ElementA, cosize_v<SmemLayoutA>> smem_A;
+      alignas(1024) cute::array_aligned<uint8_t, cosize_v<SmemLayoutA>, 1024> smem_A;
       alignas(1024) cute::array_aligned<ElementMma, cosize_v<SmemLayoutB>, 1024> smem_B;
       alignas(128) cute::array_aligned<uint8_t, TmaBytesS * Stages, 128> smem_scale;
     } tensors;
@@ -180,14 +185,16 @@ struct Mxfp4MoeMainloop {
   };
 
   using TmaElementA = uint8_t;
-  using GmemLayoutA = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, _0>>;
+  using GmemLayoutA = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, _0>>;   // (rows, K, L)
+  // per expert: (32 B, 64 * Kp/64 unit rows, Npad/64 slabs); slab stride = 2048 * Kp/64 bytes
+  using GmemLayoutUnits = Layout<Shape<int32_t, int32_t, int32_t>, Stride<_1, _32, int64_t>>;
   using GmemLayoutS = Layout<Shape<int32_t, int32_t, int32_t>, Stride<_1, int64_t, _0>>;
 
   struct Params {
-    using TMA_A = decltype(make_tma_copy<TmaElementA>(
+    using TMA_A = decltype(make_tma_copy(
         GmemTiledCopyA{},
-        make_tensor(cutlass::gemm::collective::detail::get_logical_ptr(static_cast<ElementA const*>(nullptr)), GmemLayoutA{}),
-        SmemLayoutA{}(_, _, Int<0>{}), make_shape(Int<TileM>{}, Int<TileK>{}), _1{}));
+        make_tensor(static_cast<uint8_t const*>(nullptr), GmemLayoutUnits{}),
+        SmemLayoutA{}(_, _, _, Int<0>{}), TileShapeA{}, _1{}));
     using TMA_B = decltype(make_tma_copy(
         GmemTiledCopyB{},
         make_tensor(static_cast<ElementB const*>(nullptr), GmemLayoutA{}),
@@ -214,12 +221,12 @@ struct Mxfp4MoeMainloop {
   static Params to_underlying_arguments(ProblemShape, Arguments const& args, void* workspace) {
     // A and the scales have the same dims for every expert: encode them for real here; only
     // their addresses change per group. B gets placeholder dims, replaced per group.
-    auto ptrA0 = reinterpret_cast<ElementA const*>(uintptr_t(0x100000));  // any 16B-aligned address
+    auto ptrA0 = reinterpret_cast<uint8_t const*>(uintptr_t(0x100000));  // any 16B-aligned address
     auto ptrB0 = reinterpret_cast<ElementB const*>(uintptr_t(0x100000));
     auto ptrS0 = reinterpret_cast<ElementScale const*>(uintptr_t(0x100000));
-    Tensor tA = make_tensor(cutlass::gemm::collective::detail::get_logical_ptr(ptrA0),
-        make_layout(make_shape(int32_t(args.m_pad), int32_t(args.k_pad), int32_t(1)),
-                    make_stride(int64_t(args.k_pad), _1{}, _0{})));
+    Tensor tA = make_tensor(ptrA0,
+        make_layout(make_shape(int32_t(32), int32_t(args.k_pad), int32_t(args.m_pad / 64)),
+                    make_stride(_1{}, _32{}, int64_t(args.k_pad) * 32)));
     Tensor tB = make_tensor(ptrB0,
         make_layout(make_shape(int32_t(1), int32_t(args.k_real), int32_t(1)),
                     make_stride(int64_t(args.k_real), _1{}, _0{})));
@@ -227,8 +234,7 @@ struct Mxfp4MoeMainloop {
         make_layout(make_shape(int32_t(args.m_pad), int32_t(args.k_pad / 32), int32_t(1)),
                     make_stride(_1{}, int64_t(args.m_pad), _0{})));
     Params p{
-      make_tma_copy<TmaElementA>(GmemTiledCopyA{}, tA, SmemLayoutA{}(_, _, Int<0>{}),
-                                 make_shape(Int<TileM>{}, Int<TileK>{}), _1{}),
+      make_tma_copy(GmemTiledCopyA{}, tA, SmemLayoutA{}(_, _, _, Int<0>{}), TileShapeA{}, _1{}),
       make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutB{}(_, _, Int<0>{}),
                     make_shape(Int<TileN>{}, Int<TileK>{}), _1{}),
       make_tma_copy(GmemTiledCopyScale{}, tS, SmemLayoutScale{}(_, _, Int<0>{}),
@@ -265,13 +271,17 @@ struct Mxfp4MoeMainloop {
   CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_MNKL, Params const& p) const {
     using X = Underscore;
     auto [M, N, K, L] = problem_shape_MNKL;
-    Tensor mA = p.tma_load_a.get_tma_tensor(make_shape(int32_t(p.m_pad), int32_t(p.k_pad), int32_t(1)));
+    // gA_mkl (first element, as the kernel layer expects): a counting tensor giving the (m, k) tile
+    // counts; the real A loads use the unit view (last element).
+    Tensor mA = make_identity_tensor(make_shape(int32_t(p.m_pad), int32_t(p.k_pad), int32_t(1)));
+    Tensor mAu = p.tma_load_a.get_tma_tensor(make_shape(int32_t(32), int32_t(p.k_pad), int32_t(p.m_pad / 64)));
+    Tensor gAu = local_tile(mAu, TileShapeA{}, make_coord(_0{}, _, _));   // (32, 64U, S, k, m)
     Tensor mB = p.tma_load_b.get_tma_tensor(make_shape(int32_t(N), int32_t(p.k_real), int32_t(1)));
     Tensor mS = p.tma_load_scale.get_tma_tensor(make_shape(int32_t(p.m_pad), int32_t(p.k_pad / 32), int32_t(1)));
     Tensor gA = local_tile(mA, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});   // (BM,BK,m,k,l)
     Tensor gB = local_tile(mB, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{});   // (BN,BK,n,k,l)
     Tensor gS = local_tile(mS, make_shape(Int<TileM>{}, Int<Groups>{}), make_coord(_, _));  // (BM,G,m,kg,l)
-    return cute::make_tuple(gA, gB, gS);
+    return cute::make_tuple(gA, gB, gS, gAu);
   }
 
   template <class... Ts, class... TMs, class KTileIterator, class BlockCoord>
@@ -279,12 +289,12 @@ struct Mxfp4MoeMainloop {
                            cute::tuple<Ts...> const& load_inputs, cute::tuple<TMs...> const& input_tensormaps,
                            BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
                            int thread_idx, uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
-    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.begin()), SmemLayoutA{});
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
     Tensor sB_ = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
     Tensor sB = as_position_independent_swizzle_tensor(sB_);
     Tensor sS = make_tensor(make_smem_ptr(shared_tensors.smem_scale.data()), SmemLayoutScale{});
 
-    Tensor gA_mkl = get<0>(load_inputs);
+    Tensor gAu = get<3>(load_inputs);
     Tensor gB_nkl = get<1>(load_inputs);
     Tensor gS_mkl = get<2>(load_inputs);
     auto block_tma_a = p.tma_load_a.get_slice(0);
@@ -292,11 +302,9 @@ struct Mxfp4MoeMainloop {
     auto block_tma_s = p.tma_load_scale.get_slice(0);
 
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
-    Tensor gA = gA_mkl(_, _, m_coord, _, 0);
+    Tensor gA = gAu(_, _, _, _, m_coord);                                  // (32, 64U, S, k)
     Tensor gB = gB_nkl(_, _, n_coord, _, 0);
     Tensor gS = gS_mkl(_, _, m_coord, _, 0);
-    Tensor tAgA = block_tma_a.partition_S(gA);
-    Tensor tAsA = block_tma_a.partition_D(sA);
     Tensor tBgB = block_tma_b.partition_S(gB);
     Tensor tBsB = block_tma_b.partition_D(sB);
     Tensor tSgS = block_tma_s.partition_S(gS);
@@ -310,7 +318,8 @@ struct Mxfp4MoeMainloop {
       int write_stage = smem_pipe_write.index();
       if (cute::elect_one_sync()) {
         int kt = *k_tile_iter;
-        copy(p.tma_load_a.with(get<0>(input_tensormaps), *tma_barrier, 0), tAgA(_, _, _, kt), tAsA(_, _, _, write_stage));
+        copy(p.tma_load_a.with(get<0>(input_tensormaps), *tma_barrier, 0),
+             block_tma_a.partition_S(gA(_, _, _, kt)), block_tma_a.partition_D(sA(_, _, _, write_stage)));
         copy(p.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, 0), tBgB(_, _, _, kt), tBsB(_, _, _, write_stage));
         copy(p.tma_load_scale.with(get<2>(input_tensormaps), *tma_barrier, 0), tSgS(_, _, _, kt), tSsS(_, _, _, write_stage));
       }
@@ -353,10 +362,10 @@ struct Mxfp4MoeMainloop {
     Tensor tCrA_u32 = recast<uint32_t>(tCrA);                           // (4,1,KBlocks)
 
     // This thread's smem addresses: 16 bytes per 64-K unit; two scale rows per group.
-    uint8_t const* sA_bytes = reinterpret_cast<uint8_t const*>(raw_pointer_cast(shared_tensors.smem_A.begin()));
+    uint8_t const* sA_bytes = shared_tensors.smem_A.data();
     uint8_t const* sS_bytes = shared_tensors.smem_scale.data();
     int const slab = warp_group_idx;                                      // 64-row slab of the tile
-    int const a_off = slab * 64 * (TileK / 2) + (wg_thread / 2) * (TileK / 2) + (wg_thread % 2) * 16;
+    int const a_off = slab * 2048 * UnitsPerTile + wg_thread * 16;         // conflict-free 128-bit loads
     int const row0 = slab * 64 + (wg_thread / 32) * 16 + (wg_thread % 32) / 4;   // rows row0, row0+8
 
     PipelineState smem_pipe_release = smem_pipe_read;
@@ -377,7 +386,7 @@ struct Mxfp4MoeMainloop {
       uint32_t words[KBlocks];
       CUTLASS_PRAGMA_UNROLL
       for (int u = 0; u < UnitsPerTile; ++u) {
-        uint4 v = *reinterpret_cast<uint4 const*>(sA_bytes + stage * TmaBytesA + a_off + u * 32);
+        uint4 v = *reinterpret_cast<uint4 const*>(sA_bytes + stage * TmaBytesA + a_off + u * 2048);
         words[4 * u + 0] = v.x; words[4 * u + 1] = v.y; words[4 * u + 2] = v.z; words[4 * u + 3] = v.w;
       }
       uint32_t sc[Groups][2];
@@ -453,7 +462,8 @@ struct Mxfp4MoeMainloop {
                                                 cute::tuple<TMs...> const&, ProblemShape_MNKL problem_shape_mnkl,
                                                 int32_t next_group) {
     if (cute::elect_one_sync()) {
-      cute::tma_descriptor_replace_addr_in_shared_mem(shared_tensormaps.smem_tensormap_A, p.ptr_A[next_group]);
+      cute::tma_descriptor_replace_addr_in_shared_mem(shared_tensormaps.smem_tensormap_A,
+                                                      reinterpret_cast<uint8_t const*>(p.ptr_A[next_group]));
       cute::tma_descriptor_replace_addr_in_shared_mem(shared_tensormaps.smem_tensormap_B, p.ptr_B[next_group]);
       cute::tma_descriptor_replace_addr_in_shared_mem(shared_tensormaps.smem_tensormap_scale, p.ptr_S[next_group]);
       // B: (rows_e, K_real) with this group's row stride
