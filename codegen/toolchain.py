@@ -29,10 +29,18 @@ def _find_nvcc() -> str:
     raise ToolchainError("nvcc not found: put it on PATH or set NVCC=/path/to/nvcc")
 
 
+def _wheel_cuobjdump() -> list:
+    """cuobjdump from the nvidia-cuda-cuobjdump wheel (nvidia/cu13/bin; the test extra installs it)."""
+    spec = importlib.util.find_spec("nvidia")
+    roots = (spec.submodule_search_locations or []) if spec else []
+    return sorted(p for root in roots for p in Path(root).glob("cu*/bin/cuobjdump"))
+
+
 def _find_cuobjdump(nvcc: str) -> str | None:
     # nvcc may be a wrapper script, so also look beside the real compiler.
     real_bin = Path(os.path.realpath(nvcc)).parent
-    for path in (shutil.which("cuobjdump"), real_bin / "cuobjdump", "/usr/local/cuda/bin/cuobjdump"):
+    for path in (shutil.which("cuobjdump"), real_bin / "cuobjdump", "/usr/local/cuda/bin/cuobjdump",
+                 *_wheel_cuobjdump()):
         if path and os.access(path, os.X_OK):
             return str(path)
     return None

@@ -201,3 +201,23 @@ def test_routing_builds_then_hits_the_cache(tmp_path):
     assert lib.call("mc_error_string", 0) == b"no error"
     assert lib.call("mc_expand_workspace_ints", 1, 8, 128) == 0
     assert lib.call("mc_expand_workspace_ints", 65536, 8, 128) == 128 * 128
+
+
+def _first_gemm(kind):
+    return next(c.name for c in KERNELS[ARCH] if c.params.get("kind") == kind)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_gemm_instantiations_compile_without_spills_and_use_hgmma(tmp_path):
+    """CI has no GPU, but a broken GEMM template must still fail it: compile one of each kind."""
+    gen = tmp_path / "generated"
+    render.write(render.render(ARCH), gen)
+    names = [_first_gemm(1), _first_gemm(2)]
+    build(ARCH, only=names, gen_dir=gen, out_dir=tmp_path / "build", emit=print)
+    report = json.loads((tmp_path / "build" / "build_report.json").read_text())
+    for name in names:
+        obj = report["objects"][name]
+        assert obj["spill_bytes"] == 0, f"{name} spills"
+        assert all(k["registers"] > 0 for k in obj["kernels"])
+        if report["cuobjdump"] is not None:
+            assert obj["hgmma"] is True, f"{name}: no HGMMA in the SASS"
