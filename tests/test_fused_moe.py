@@ -201,3 +201,16 @@ def test_cuda_graph_replay_with_new_inputs():
         out.fill_(float("nan"))
         graph.replay()
         assert_close(out, mc.reference.fused_moe_float(x, experts, weights, ids))
+
+
+def test_forward_never_synchronizes():
+    gen = torch.Generator("cuda").manual_seed(12)
+    experts = random_experts(16, 256, 128, gen)
+    x = random_hidden(33, 256, gen)
+    weights, ids = random_routing(33, 16, 4, gen)
+    out = mc.fused_moe(x, experts, weights, ids)  # first call sizes the buffers
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mc.fused_moe(x, experts, weights, ids, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
