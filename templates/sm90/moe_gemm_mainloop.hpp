@@ -9,7 +9,7 @@
 // What differs from upstream (and why):
 //  1. Operand A is MXFP4 weights in OUR prepared layout (moe_cutlass/layout.py): 64-row x 64-K
 //     "units" of 2 KB, contiguous along K inside a 64-row slab, so a weight tile is TileM/64
-//     contiguous runs (the A TMA uses a (32 B, unit rows, slabs) view, not (M, K)). Inside a unit,
+//     contiguous runs (the A TMA uses a (256 B, unit rows, slabs) view, not (M, K)). Inside a unit,
 //     thread t of a warpgroup finds its whole RS-WGMMA A fragment for the unit (4 k-blocks x 8
 //     values) in the 16 bytes at 16*t: one conflict-free 128-bit ld.shared per unit instead of
 //     cute's smem->rmem tiled copy (upstream: swizzled tile, copy_tensors_MK + retiled fragments).
@@ -55,11 +55,23 @@ CUTLASS_DEVICE uint32_t mc_prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return d;
 }
 
-CUTLASS_DEVICE void mc_e2m1x8_to_bf16(uint32_t q, uint32_t (&out)[4]) {
-  // bf16 of magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}: high bytes {00,3F,3F,3F,40,40,40,40},
-  // low bytes {00,00,80,C0,00,40,80,C0}
-  constexpr uint32_t kHi0 = 0x3F3F3F00u, kHi1 = 0x40404040u;
-  constexpr uint32_t kLo0 = 0xC0800000u, kLo1 = 0xC0804000u;
+// bf16 of magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}: high bytes {00,3F,3F,3F,40,40,40,40},
+// low bytes {00,00,80,C0,00,40,80,C0}. Kept in registers (set once per mainloop call through
+// asm so that ptxas does not re-materialize them before every prmt).
+struct Mxfp4Lut {
+  uint32_t hi0, hi1, lo0, lo1;
+  CUTLASS_DEVICE static Mxfp4Lut make() {
+    Mxfp4Lut l;
+    asm volatile("mov.b32 %0, 0x3F3F3F00;" : "=r"(l.hi0));
+    asm volatile("mov.b32 %0, 0x40404040;" : "=r"(l.hi1));
+    asm volatile("mov.b32 %0, 0xC0800000;" : "=r"(l.lo0));
+    asm volatile("mov.b32 %0, 0xC0804000;" : "=r"(l.lo1));
+    return l;
+  }
+};
+
+CUTLASS_DEVICE void mc_e2m1x8_to_bf16(uint32_t q, uint32_t (&out)[4], Mxfp4Lut const& lut) {
+  uint32_t const kHi0 = lut.hi0, kHi1 = lut.hi1, kLo0 = lut.lo0, kLo1 = lut.lo1;
   uint32_t m  = q & 0x77777777u;
   uint32_t m2 = m >> 16;
   uint32_t h0 = mc_prmt(kHi0, kHi1, m)  | (q & 0x80808080u);
@@ -130,12 +142,12 @@ struct Mxfp4MoeMainloop {
 
   // smem layouts: A is plain K-major (no swizzle: our own addressing), B uses the GMMA 128B
   // swizzle, scales are M-major (TileM, TileK/32).
-  // A as raw bytes: (32 B, 64 rows x TileK/64 units, TileM/64 slabs) per stage, i.e. the tile's
+  // A as raw bytes: (256 B, 8 rows x TileK/64 units, TileM/64 slabs) per stage, i.e. the tile's
   // 2 KB units back to back ([slab][unit][2048 B]), exactly as they lie in global memory.
   static constexpr int SlabsPerTile = TileM / 64;
-  using SmemLayoutA = Layout<Shape<_32, Int<64 * UnitsPerTile>, Int<SlabsPerTile>, Int<Stages>>,
-                             Stride<_1, _32, Int<2048 * UnitsPerTile>, Int<TileM * TileK / 2>>>;
-  using TileShapeA = Shape<_32, Int<64 * UnitsPerTile>, Int<SlabsPerTile>>;
+  using SmemLayoutA = Layout<Shape<_256, Int<8 * UnitsPerTile>, Int<SlabsPerTile>, Int<Stages>>,
+                             Stride<_1, _256, Int<2048 * UnitsPerTile>, Int<TileM * TileK / 2>>>;
+  using TileShapeA = Shape<_256, Int<8 * UnitsPerTile>, Int<SlabsPerTile>>;
   using SmemLayoutAtomB = GMMA::Layout_K_SW128_Atom<ElementMma>;
   using SmemLayoutB = decltype(tile_to_shape(SmemLayoutAtomB{},
       make_shape(Int<TileN>{}, Int<TileK>{}, Int<Stages>{}), Step<_1, _2, _3>{}));
@@ -186,8 +198,8 @@ struct Mxfp4MoeMainloop {
 
   using TmaElementA = uint8_t;
   using GmemLayoutA = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, _0>>;   // (rows, K, L)
-  // per expert: (32 B, 64 * Kp/64 unit rows, Npad/64 slabs); slab stride = 2048 * Kp/64 bytes
-  using GmemLayoutUnits = Layout<Shape<int32_t, int32_t, int32_t>, Stride<_1, _32, int64_t>>;
+  // per expert: (256 B, 8 * Kp/64 unit rows, Npad/64 slabs); slab stride = 2048 * Kp/64 bytes
+  using GmemLayoutUnits = Layout<Shape<int32_t, int32_t, int32_t>, Stride<_1, _256, int64_t>>;
   using GmemLayoutS = Layout<Shape<int32_t, int32_t, int32_t>, Stride<_1, int64_t, _0>>;
 
   struct Params {
@@ -225,8 +237,8 @@ struct Mxfp4MoeMainloop {
     auto ptrB0 = reinterpret_cast<ElementB const*>(uintptr_t(0x100000));
     auto ptrS0 = reinterpret_cast<ElementScale const*>(uintptr_t(0x100000));
     Tensor tA = make_tensor(ptrA0,
-        make_layout(make_shape(int32_t(32), int32_t(args.k_pad), int32_t(args.m_pad / 64)),
-                    make_stride(_1{}, _32{}, int64_t(args.k_pad) * 32)));
+        make_layout(make_shape(int32_t(256), int32_t(args.k_pad / 8), int32_t(args.m_pad / 64)),
+                    make_stride(_1{}, _256{}, int64_t(args.k_pad) * 32)));
     Tensor tB = make_tensor(ptrB0,
         make_layout(make_shape(int32_t(1), int32_t(args.k_real), int32_t(1)),
                     make_stride(int64_t(args.k_real), _1{}, _0{})));
@@ -274,8 +286,8 @@ struct Mxfp4MoeMainloop {
     // gA_mkl (first element, as the kernel layer expects): a counting tensor giving the (m, k) tile
     // counts; the real A loads use the unit view (last element).
     Tensor mA = make_identity_tensor(make_shape(int32_t(p.m_pad), int32_t(p.k_pad), int32_t(1)));
-    Tensor mAu = p.tma_load_a.get_tma_tensor(make_shape(int32_t(32), int32_t(p.k_pad), int32_t(p.m_pad / 64)));
-    Tensor gAu = local_tile(mAu, TileShapeA{}, make_coord(_0{}, _, _));   // (32, 64U, S, k, m)
+    Tensor mAu = p.tma_load_a.get_tma_tensor(make_shape(int32_t(256), int32_t(p.k_pad / 8), int32_t(p.m_pad / 64)));
+    Tensor gAu = local_tile(mAu, TileShapeA{}, make_coord(_0{}, _, _));   // (256, 8U, S, k, m)
     Tensor mB = p.tma_load_b.get_tma_tensor(make_shape(int32_t(N), int32_t(p.k_real), int32_t(1)));
     Tensor mS = p.tma_load_scale.get_tma_tensor(make_shape(int32_t(p.m_pad), int32_t(p.k_pad / 32), int32_t(1)));
     Tensor gA = local_tile(mA, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});   // (BM,BK,m,k,l)
@@ -302,7 +314,7 @@ struct Mxfp4MoeMainloop {
     auto block_tma_s = p.tma_load_scale.get_slice(0);
 
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
-    Tensor gA = gAu(_, _, _, _, m_coord);                                  // (32, 64U, S, k)
+    Tensor gA = gAu(_, _, _, _, m_coord);                                  // (256, 8U, S, k)
     Tensor gB = gB_nkl(_, _, n_coord, _, 0);
     Tensor gS = gS_mkl(_, _, m_coord, _, 0);
     Tensor tBgB = block_tma_b.partition_S(gB);
@@ -354,12 +366,12 @@ struct Mxfp4MoeMainloop {
     auto mma_thread_slice = tiled_mma.get_thread_slice(thread_idx);
     Tensor sA_dummy = make_tensor(make_smem_ptr(static_cast<ElementMma*>(nullptr)),
                                   make_layout(make_shape(Int<TileM>{}, Int<TileK>{}), LayoutRight{}));
-    Tensor tCrA = mma_thread_slice.partition_fragment_A(sA_dummy);     // (MMA,MMA_M,MMA_K) bf16 regs
+    Tensor tCrA0 = mma_thread_slice.partition_fragment_A(sA_dummy);    // (MMA,MMA_M,MMA_K) bf16 regs, set 0
+    Tensor tCrA1 = mma_thread_slice.partition_fragment_A(sA_dummy);    // set 1
     Tensor tCsB = mma_warpgroup_slice.partition_B(sB);                   // (MMA,MMA_N,MMA_K,PIPE)
     Tensor tCrB = mma_warpgroup_slice.make_fragment_B(tCsB);
-    static_assert(size<1>(decltype(tCrA){}) == 1, "one M atom per warpgroup");
-    static_assert(size<2>(decltype(tCrA){}) == KBlocks);
-    Tensor tCrA_u32 = recast<uint32_t>(tCrA);                           // (4,1,KBlocks)
+    static_assert(size<1>(decltype(tCrA0){}) == 1, "one M atom per warpgroup");
+    static_assert(size<2>(decltype(tCrA0){}) == KBlocks);
 
     // This thread's smem addresses: 16 bytes per 64-K unit; two scale rows per group.
     uint8_t const* sA_bytes = shared_tensors.smem_A.data();
@@ -367,70 +379,107 @@ struct Mxfp4MoeMainloop {
     int const slab = warp_group_idx;                                      // 64-row slab of the tile
     int const a_off = slab * 2048 * UnitsPerTile + wg_thread * 16;         // conflict-free 128-bit loads
     int const row0 = slab * 64 + (wg_thread / 32) * 16 + (wg_thread % 32) / 4;   // rows row0, row0+8
+    Mxfp4Lut const lut = Mxfp4Lut::make();
 
-    PipelineState smem_pipe_release = smem_pipe_read;
-    // Zero the accumulators up front and always accumulate: a runtime scale-d flag inside the
-    // k-tile loop is a non-wgmma definition of a wgmma input and makes ptxas serialize (C7513).
-    clear(accum);
-    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-    warpgroup_fence_operand(accum);
-
-    bool first = true;
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; k_tile_count > 0; --k_tile_count) {
-      auto barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
-      pipeline.consumer_wait(smem_pipe_read, barrier_token);
-      int const stage = smem_pipe_read.index();
-
-      // raw A words (one 128-bit load per unit) and scales of this k tile
+    // Loads stage `stage` (A words + scales) and converts the whole k tile into `frag`.
+    auto convert_tile = [&](int stage, auto& frag) {
       uint32_t words[KBlocks];
       CUTLASS_PRAGMA_UNROLL
       for (int u = 0; u < UnitsPerTile; ++u) {
         uint4 v = *reinterpret_cast<uint4 const*>(sA_bytes + stage * TmaBytesA + a_off + u * 2048);
         words[4 * u + 0] = v.x; words[4 * u + 1] = v.y; words[4 * u + 2] = v.z; words[4 * u + 3] = v.w;
       }
+      // E8M0 -> bf16x2: bits (s << 7) in both halves = s * 0x00800080 (one IMAD); the rare bytes
+      // 0 (2^-127, a bf16 subnormal) and 255 (NaN) take the exact slow path.
+      uint32_t sb[Groups][2];
       uint32_t sc[Groups][2];
+      bool special = false;
       CUTLASS_PRAGMA_UNROLL
       for (int g = 0; g < Groups; ++g) {
-        uint8_t const* s = sS_bytes + stage * TmaBytesS + g * TileM + row0;
-        sc[g][0] = mc_e8m0_to_bf16x2(s[0]);
-        sc[g][1] = mc_e8m0_to_bf16x2(s[8]);
+        uint8_t const* sp = sS_bytes + stage * TmaBytesS + g * TileM + row0;
+        sb[g][0] = sp[0];
+        sb[g][1] = sp[8];
+        CUTLASS_PRAGMA_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          sc[g][h] = sb[g][h] * 0x00800080u;
+          special |= (sb[g][h] == 0u) | (sb[g][h] == 255u);
+        }
       }
-
-      // Drain the previous k tile's GMMAs: its A registers are reused and its stage released.
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(accum);
-      warpgroup_fence_operand(tCrA);
-      if (!first) {
-        pipeline.consumer_release(smem_pipe_release);
-        ++smem_pipe_release;
+      if (special) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int g = 0; g < Groups; ++g) {
+          sc[g][0] = mc_e8m0_to_bf16x2(sb[g][0]);
+          sc[g][1] = mc_e8m0_to_bf16x2(sb[g][1]);
+        }
       }
+      Tensor frag_u32 = recast<uint32_t>(frag);                          // (4,1,KBlocks)
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < KBlocks; ++kb) {
+#ifdef MC_PROBE_NO_CONVERT   // development probe only: measures the pipeline without the converter
+        frag_u32(0, 0, kb) = words[kb];
+        frag_u32(1, 0, kb) = words[kb] ^ sc[kb / 2][0];
+        frag_u32(2, 0, kb) = words[kb] ^ sc[kb / 2][1];
+        frag_u32(3, 0, kb) = words[kb];
+#else
         uint32_t f[4];
-        mc_e2m1x8_to_bf16(words[kb], f);
+        mc_e2m1x8_to_bf16(words[kb], f, lut);
         uint32_t const s0 = sc[kb / 2][0], s1 = sc[kb / 2][1];
-        tCrA_u32(0, 0, kb) = mc_mul_bf16x2(f[0], s0);
-        tCrA_u32(1, 0, kb) = mc_mul_bf16x2(f[1], s1);
-        tCrA_u32(2, 0, kb) = mc_mul_bf16x2(f[2], s0);
-        tCrA_u32(3, 0, kb) = mc_mul_bf16x2(f[3], s1);
-        warpgroup_fence_operand(tCrA);
-        warpgroup_arrive();
-        cute::gemm(tiled_mma, tCrA(_, _, kb), tCrB(_, _, kb, stage), accum);
-        warpgroup_commit_batch();
+        frag_u32(0, 0, kb) = mc_mul_bf16x2(f[0], s0);
+        frag_u32(1, 0, kb) = mc_mul_bf16x2(f[1], s1);
+        frag_u32(2, 0, kb) = mc_mul_bf16x2(f[2], s0);
+        frag_u32(3, 0, kb) = mc_mul_bf16x2(f[3], s1);
+#endif
       }
+    };
+
+    // Software pipeline over k tiles with two A register sets: the GMMAs of tile t (set t%2)
+    // run while tile t+1 is loaded and converted into the other set; then wait<0> and release
+    // tile t's stage. In-flight GMMAs never read registers being written (no C7513
+    // serialization), and the tensor cores see back-to-back tiles.
+    PipelineState smem_pipe_release = smem_pipe_read;
+    clear(accum);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    warpgroup_fence_operand(accum);
+    {
+      auto token = pipeline.consumer_try_wait(smem_pipe_read);
+      pipeline.consumer_wait(smem_pipe_read, token);
+      convert_tile(smem_pipe_read.index(), tCrA0);
+    }
+    auto step = [&](auto& frag_now, auto& frag_next) {
+      int const stage = smem_pipe_read.index();
+      warpgroup_fence_operand(frag_now);
       warpgroup_fence_operand(accum);
-      first = false;
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < KBlocks; ++kb) {
+        cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), accum);
+      }
+      warpgroup_commit_batch();
       ++smem_pipe_read;
+      if (k_tile_count > 1) {
+        auto token = pipeline.consumer_try_wait(smem_pipe_read);
+        pipeline.consumer_wait(smem_pipe_read, token);
+        convert_tile(smem_pipe_read.index(), frag_next);
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accum);
+      pipeline.consumer_release(smem_pipe_release);
+      ++smem_pipe_release;
+      --k_tile_count;
+    };
+    CUTLASS_PRAGMA_NO_UNROLL
+    while (true) {
+      step(tCrA0, tCrA1);
+      if (k_tile_count == 0) break;
+      step(tCrA1, tCrA0);
+      if (k_tile_count == 0) break;
     }
     warpgroup_fence_operand(accum);
   }
 
-  CUTLASS_DEVICE void mma_tail(MainloopPipeline pipeline, PipelineState smem_pipe_release, int k_tile_count) {
-    // mma() released k_tile_count-1 stages; release the last one once all GMMAs are done.
-    smem_pipe_release.advance(k_tile_count - 1);
+  CUTLASS_DEVICE void mma_tail(MainloopPipeline, PipelineState, int) {
+    // mma() already waited for its GMMAs and released every stage it consumed.
     warpgroup_wait<0>();
-    pipeline.consumer_release(smem_pipe_release);
   }
 
   // ----------------------------------------------------------------------------------------
