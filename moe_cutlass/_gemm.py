@@ -16,6 +16,25 @@ GEMM1_CONFIG = "moe_gemm1_m128n32k128_coop"
 GEMM2_CONFIG = "moe_gemm2_m128n32k128_coop"
 
 
+def pick_config(kind: int, rows: int, num_experts: int, available=None) -> str:
+    """A config for GEMM<kind> given the host-known upper bound of rows (M * top_k) and E.
+
+    Measured on an H200 (benchmarks/results/bench_*_gemm.json): with few rows per expert the
+    kernels stream weights (N tile 16, TileK 256 best), around 32 rows per expert the 32-token
+    tile, and from ~64 rows per expert on the 128-token tile (compute bound).
+    """
+    per_expert = rows / max(1, num_experts)
+    if per_expert <= 12:
+        name = f"moe_gemm{kind}_m128n16k256_coop"
+    elif per_expert <= 48:
+        name = f"moe_gemm{kind}_m128n32k128_coop"
+    else:
+        name = f"moe_gemm{kind}_m128n128k128_coop"
+    if available is not None and name not in available:
+        name = f"moe_gemm{kind}_m128n32k128_coop"
+    return name
+
+
 def workspace_size(config: str, num_experts: int, device=None) -> int:
     device = torch.device(device if device is not None else "cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -118,6 +118,8 @@ struct Mxfp4MoeMainloop {
   static constexpr int UnitsPerTile = TileK / 64;     // 64-K units per k tile (one 16B load each)
   static constexpr int KBlocks = TileK / 16;          // m64nNk16 k-blocks per k tile
   static constexpr int Groups = TileK / 32;           // MX scale groups per k tile
+  // accumulator chains per warpgroup (registers allow it for small N)
+  static constexpr int NumAcc = TileN <= 16 ? 4 : (TileN <= 32 ? 2 : 1);
 
   // Element types. A: 4-bit container (our permuted e2m1 words); B: bf16 tokens.
   using ElementA = cutlass::uint4b_t;
@@ -437,9 +439,18 @@ struct Mxfp4MoeMainloop {
     // tile t's stage. In-flight GMMAs never read registers being written (no C7513
     // serialization), and the tensor cores see back-to-back tiles.
     PipelineState smem_pipe_release = smem_pipe_read;
+    // Independent accumulator chains (k-block kb feeds chain kb % NumAcc): small-N GMMAs are
+    // latency bound on their accumulator dependency; summed in a fixed order at the end.
+    auto acc1 = make_fragment_like(accum);
+    auto acc2 = make_fragment_like(accum);
+    auto acc3 = make_fragment_like(accum);
     clear(accum);
+    if constexpr (NumAcc > 1) clear(acc1);
+    if constexpr (NumAcc > 2) { clear(acc2); clear(acc3); }
     tiled_mma.accumulate_ = GMMA::ScaleOut::One;
     warpgroup_fence_operand(accum);
+    if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
+    if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
     {
       auto token = pipeline.consumer_try_wait(smem_pipe_read);
       pipeline.consumer_wait(smem_pipe_read, token);
@@ -449,10 +460,20 @@ struct Mxfp4MoeMainloop {
       int const stage = smem_pipe_read.index();
       warpgroup_fence_operand(frag_now);
       warpgroup_fence_operand(accum);
+      if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
+      if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
       warpgroup_arrive();
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < KBlocks; ++kb) {
-        cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), accum);
+        if (kb % NumAcc == 0) {
+          cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), accum);
+        } else if (kb % NumAcc == 1) {
+          cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc1);
+        } else if (kb % NumAcc == 2) {
+          cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc2);
+        } else {
+          cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc3);
+        }
       }
       warpgroup_commit_batch();
       ++smem_pipe_read;
@@ -463,6 +484,8 @@ struct Mxfp4MoeMainloop {
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(accum);
+      if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
+      if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
       pipeline.consumer_release(smem_pipe_release);
       ++smem_pipe_release;
       --k_tile_count;
@@ -473,6 +496,13 @@ struct Mxfp4MoeMainloop {
       if (k_tile_count == 0) break;
       step(tCrA1, tCrA0);
       if (k_tile_count == 0) break;
+    }
+    if constexpr (NumAcc == 2) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(accum); ++i) accum(i) += acc1(i);
+    } else if constexpr (NumAcc == 4) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(accum); ++i) accum(i) = (accum(i) + acc1(i)) + (acc2(i) + acc3(i));
     }
     warpgroup_fence_operand(accum);
   }
