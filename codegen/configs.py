@@ -54,9 +54,9 @@ KERNELS = {
                      {"kind": 1, "tile_m": 128, "tile_n": 16, "tile_k": 256, "pingpong": False}),
         KernelConfig("moe_gemm2_m128n16k256_coop", "moe_gemm.cu.j2",
                      {"kind": 2, "tile_m": 128, "tile_n": 16, "tile_k": 256, "pingpong": False}),
-        KernelConfig("moe_gemm1_m64n16k128_pp", "moe_gemm.cu.j2",
-                     {"kind": 1, "tile_m": 64, "tile_n": 16, "tile_k": 128, "pingpong": True}),
-        KernelConfig("moe_gemm2_m64n16k128_pp", "moe_gemm.cu.j2",
-                     {"kind": 2, "tile_m": 64, "tile_n": 16, "tile_k": 128, "pingpong": True}),
+        KernelConfig("moe_gemm1_m128n8k256_coop", "moe_gemm.cu.j2",
+                     {"kind": 1, "tile_m": 128, "tile_n": 8, "tile_k": 256, "pingpong": False}),
+        KernelConfig("moe_gemm2_m128n8k256_coop", "moe_gemm.cu.j2",
+                     {"kind": 2, "tile_m": 128, "tile_n": 8, "tile_k": 256, "pingpong": False}),
     ],
 }

@@ -45,7 +45,8 @@ struct MoeGemmConfig {
   static constexpr int StageBytes = Mxfp4MoeMainloop<2, TileShape, Schedule>::TmaTransactionBytes;
   static constexpr int kSmemBudget = 232448 - 6144;   // 227 KB minus scheduler/pipeline/tensormap storage
   static constexpr int StagesRaw = kSmemBudget / (StageBytes + 32);
-  static constexpr int Stages = StagesRaw > 10 ? 10 : StagesRaw;
+  // as many stages as fit: small-N tiles stream weights, and bytes in flight set the bandwidth
+  static constexpr int Stages = StagesRaw > 24 ? 24 : StagesRaw;
   static_assert(Stages >= 2);
   using Mainloop = Mxfp4MoeMainloop<Stages, TileShape, Schedule>;
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<MoeEpilogue<Kind, TileShape>>;

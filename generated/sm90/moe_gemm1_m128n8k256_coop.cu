@@ -4,7 +4,7 @@
 
 // The exported ABI, declared ahead of the definitions so the compiler checks they agree.
 extern "C" {
-/* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m64n16k128_pp: GEMM1, tile 64x16x128, pingpong.
+/* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n8k256_coop: GEMM1, tile 128x8x256, cooperative.
  * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [rows, K] in expert order, row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -12,25 +12,25 @@ extern "C" {
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
  * bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
- * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m64n16k128_pp_workspace_size(E, number of SMs of the device),
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n8k256_coop_workspace_size(E, number of SMs of the device),
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
-int mc_sm90_moe_gemm1_m64n16k128_pp(const void* w_blocks, const void* w_scales, const float* bias, const void* act,
+int mc_sm90_moe_gemm1_m128n8k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act,
                        const int32_t* expert_offsets, const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t activation, float swiglu_alpha,
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
-/* Workspace bytes of mc_sm90_moe_gemm1_m64n16k128_pp for E experts on a device with num_sms SMs. Host only. */
-size_t mc_sm90_moe_gemm1_m64n16k128_pp_workspace_size(int32_t E, int32_t num_sms);
+/* Workspace bytes of mc_sm90_moe_gemm1_m128n8k256_coop for E experts on a device with num_sms SMs. Host only. */
+size_t mc_sm90_moe_gemm1_m128n8k256_coop_workspace_size(int32_t E, int32_t num_sms);
 }
 
-// MXFP4 x BF16 MoE grouped GEMM: GEMM1, tile 64x16x128, pingpong.
+// MXFP4 x BF16 MoE grouped GEMM: GEMM1, tile 128x8x256, cooperative.
 #include "moe_gemm_launch.hpp"
 
 namespace {
-using Cfg = moe_cutlass::MoeGemmConfig<1, 64, 16, 128, true>;
+using Cfg = moe_cutlass::MoeGemmConfig<1, 128, 8, 256, false>;
 }
 
-extern "C" int mc_sm90_moe_gemm1_m64n16k128_pp(const void* w_blocks, const void* w_scales, const float* bias, const void* act,
+extern "C" int mc_sm90_moe_gemm1_m128n8k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act,
                                   const int32_t* expert_offsets, const float* row_weights, void* out,
                                   int32_t E, int32_t N, int32_t K, int32_t activation, float swiglu_alpha,
                                   float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -39,6 +39,6 @@ extern "C" int mc_sm90_moe_gemm1_m64n16k128_pp(const void* w_blocks, const void*
                                                    workspace_bytes, stream);
 }
 
-extern "C" size_t mc_sm90_moe_gemm1_m64n16k128_pp_workspace_size(int32_t E, int32_t num_sms) {
+extern "C" size_t mc_sm90_moe_gemm1_m128n8k256_coop_workspace_size(int32_t E, int32_t num_sms) {
   return moe_cutlass::moe_gemm_workspace_size<Cfg>(E, num_sms);
 }
