@@ -19,12 +19,16 @@ GEMM2_CONFIG = "moe_gemm2_m128n32k128_coop"
 def pick_config(kind: int, rows: int, num_experts: int, available=None) -> str:
     """A config for GEMM<kind> given the host-known upper bound of rows (M * top_k) and E.
 
-    Measured on an H200 (benchmarks/results/bench_*_gemm.json): with few rows per expert the
-    kernels stream weights (N tile 16, TileK 256 best), around 32 rows per expert the 32-token
-    tile, and from ~64 rows per expert on the 128-token tile (compute bound).
+    Measured on an H200 (benchmarks/results/bench_20261129T124329Z_gemm.json): with few rows
+    per expert the kernels stream weights (N tile 8/16 with TileK 256 best), around 32 rows per
+    expert the 32-token tile, and from ~64 rows per expert on the 128-token tile (compute bound).
+    `rows` is an upper bound known on the host (M * top_k); the real per-expert counts live on
+    the device only.
     """
     per_expert = rows / max(1, num_experts)
-    if per_expert <= 12:
+    if per_expert <= 4:
+        name = f"moe_gemm{kind}_m128n8k256_coop"
+    elif per_expert <= 12:
         name = f"moe_gemm{kind}_m128n16k256_coop"
     elif per_expert <= 48:
         name = f"moe_gemm{kind}_m128n32k128_coop"
