@@ -24,7 +24,21 @@
 //     their base addresses are replaced per group; B (tokens) gets dims (rows_e, K) per group,
 //     K being the REAL K (the weights are padded to Kp = roundup(K, 64) with zeros; TMA zero
 //     fills B's K tail, so padding never reads past a token row).
-//  5. Zero points, scale look-up tables, swap-AB and multicast are removed (cluster 1x1 only).
+//  5. Consumer schedule: two A register sets; the GMMAs of k tile t (one arrive/commit for the
+//     whole tile) run while tile t+1 is read from smem and converted into the other set, then
+//     wait<0> and release tile t's stage (upstream converts k-block kb+1 during k-block kb with
+//     wait<K-1> across tiles, which ptxas 13 answers with C7513 wgmma serialization). mma()
+//     releases every stage itself; mma_tail only waits.
+//  6. N tiles <= 32 spread the k-blocks over 2-4 independent accumulator chains (small-N GMMAs
+//     are latency bound on the accumulator dependency), summed in a fixed order at the end.
+//  7. Zero points, scale look-up tables, swap-AB and multicast are removed (cluster 1x1 only).
+//     The Pingpong schedule compiles (TileM 64) but measured slower than Cooperative and is
+//     not in the kernel table.
+//
+// Measured on an H200 (benchmarks/results/bench_*_gemm.json): prefill-size problems (128-token
+// tiles) run at 1.3-1.4x the BF16-FLOP floor; weight streaming (decode) reaches 1.4-2.4 TB/s,
+// i.e. 1.8-3x the MXFP4-bytes floor. A probe without the converter streamed at ~2.1 TB/s, so
+// the load pipeline (not only the conversion) limits decode; see the notes in the report.
 #pragma once
 
 #include "cutlass/cutlass.h"
