@@ -6,18 +6,17 @@ per (device, stream, layer shape) for the largest batch seen and reused: a call 
 nothing but its output. A larger batch than any before grows them (not inside a graph
 capture: warm up with the largest batch first).
 """
-import math
 from dataclasses import dataclass
 
 import torch
 
-from . import _lib
+from . import _gemm, _lib
 from ._checks import INDEX_DTYPES, check_choice, check_float, check_tensor
-from ._device import require_sm90, sm_count
+from ._device import require_sm90
 from ._ops_routing import RoutingBuffers, expand_into, finalize
 from .experts import PreparedExperts
 
-ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+GEMM_KINDS = (1, 2)  # GEMM1: gate/up + activation; GEMM2: down x routing weight
 
 
 def _check_args(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
@@ -30,7 +29,7 @@ def _check_args(hidden_states, experts, topk_weights, topk_ids, activation, swig
     M = hidden_states.shape[0]
     check_tensor("topk_ids", topk_ids, dtype=INDEX_DTYPES, shape=(M, "k"), contiguous=True)
     check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_ids.shape), contiguous=True)
-    check_choice("activation", activation, tuple(ACTIVATIONS))
+    check_choice("activation", activation, tuple(_gemm.ACTIVATIONS))
     if swiglu_limit is not None:
         check_float("swiglu_limit", swiglu_limit, positive=True)
     check_float("swiglu_alpha", swiglu_alpha)
@@ -51,13 +50,12 @@ def _check_args(hidden_states, experts, topk_weights, topk_ids, activation, swig
                          f"move them with experts.to({str(device)!r})")
 
 
-def _kernel_for(gemm_kind: int) -> str:
-    """The library's instantiation of GEMM1 or GEMM2 (one per kind for now)."""
-    for kernel in _lib.library().manifest["kernels"]:
-        if kernel["params"].get("kind") == gemm_kind:
-            return kernel["name"]
-    raise RuntimeError(f"the kernel library holds no GEMM{gemm_kind} instantiation; rebuild it with "
-                       f"`python -m codegen --arch sm90`")
+def _configs_of(kind: int) -> list:
+    configs = [k for k in _lib.library().kernels if k.startswith(f"moe_gemm{kind}_")]
+    if not configs:
+        raise RuntimeError(f"the kernel library holds no GEMM{kind} instantiation; rebuild it with "
+                           f"`python -m codegen --arch sm90`")
+    return configs
 
 
 @dataclass
@@ -67,15 +65,15 @@ class _Buffers:
     max_tokens: int
     routing: RoutingBuffers
     inter: torch.Tensor  # bf16 [max_tokens * k, I]: GEMM1's output, GEMM2's input
-    gemm_workspace: tuple  # uint8 tensors, one per GEMM: each launch needs its own
+    gemm_workspace: tuple  # uint8, one per GEMM kind, large enough for any of its configs
 
     @classmethod
-    def allocate(cls, max_tokens, k, experts, device, kernels):
+    def allocate(cls, max_tokens, k, experts, device):
         E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
-        sms = sm_count(device)
         workspaces = tuple(
-            torch.empty(_lib.call(f"mc_sm90_{name}_workspace_size", E, sms), dtype=torch.uint8, device=device)
-            for name in kernels)
+            torch.empty(max(_gemm.workspace_size(c, E, device) for c in _configs_of(kind)), dtype=torch.uint8,
+                        device=device)
+            for kind in GEMM_KINDS)
         return cls(max_tokens=max_tokens,
                    routing=RoutingBuffers.allocate(max_tokens, k, E, H, device),
                    inter=torch.empty(max_tokens * k, I, dtype=torch.bfloat16, device=device),
@@ -85,24 +83,15 @@ class _Buffers:
 _buffers = {}
 
 
-def _buffers_for(M, k, experts, device, kernels):
+def _buffers_for(M, k, experts, device):
     # Per stream: two launches in flight must not share CUTLASS's per-SM workspace.
     key = (device, torch.cuda.current_stream(device).cuda_stream, k, experts.num_experts,
            experts.hidden_size, experts.intermediate_size)
     buffers = _buffers.get(key)
     if buffers is None or buffers.max_tokens < M:
         _buffers.pop(key, None)  # free the old set before allocating the larger one
-        buffers = _buffers[key] = _Buffers.allocate(M, k, experts, device, kernels)
+        buffers = _buffers[key] = _Buffers.allocate(M, k, experts, device)
     return buffers
-
-
-def _gemm(name, weights, act, offsets, row_weights, out, N, K, activation, alpha, limit, workspace):
-    bias = weights.get("bias")
-    _lib.call(f"mc_sm90_{name}", weights["blocks"].data_ptr(), weights["scales"].data_ptr(),
-              None if bias is None else bias.data_ptr(), act.data_ptr(), offsets.data_ptr(),
-              None if row_weights is None else row_weights.data_ptr(), out.data_ptr(),
-              weights["blocks"].shape[0], N, K, activation, alpha, limit,
-              workspace.data_ptr(), workspace.numel(), torch.cuda.current_stream().cuda_stream)
 
 
 def fused_moe(hidden_states, experts, topk_weights, topk_ids, activation="silu", swiglu_limit=None,
@@ -124,18 +113,18 @@ def fused_moe(hidden_states, experts, topk_weights, topk_ids, activation="silu",
     if M == 0:
         return out
     require_sm90(device)
-    kernels = (_kernel_for(1), _kernel_for(2))
-    H, I = experts.hidden_size, experts.intermediate_size
+    H, I, E = experts.hidden_size, experts.intermediate_size, experts.num_experts
+    # Tile shapes by the average rows per expert: M * k is known on the host, the counts are not.
+    gemm1, gemm2 = (_gemm.pick_config(kind, M * k, E, _configs_of(kind)) for kind in GEMM_KINDS)
     with torch.cuda.device(device):
-        buffers = _buffers_for(M, k, experts, device, kernels)
-        routed = expand_into(buffers.routing, hidden_states, topk_ids, topk_weights, experts.num_experts,
-                             expert_map)
+        buffers = _buffers_for(M, k, experts, device)
+        routed = expand_into(buffers.routing, hidden_states, topk_ids, topk_weights, E, expert_map)
         inter = buffers.inter[: M * k]
-        limit = math.inf if swiglu_limit is None else float(swiglu_limit)
-        _gemm(kernels[0], experts.w13, routed.gathered, routed.expert_offsets, None, inter, 2 * I, H,
-              ACTIVATIONS[activation], float(swiglu_alpha), limit, buffers.gemm_workspace[0])
+        _gemm.run(gemm1, experts.w13, routed.gathered, routed.expert_offsets, inter, 2 * I, H,
+                  activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                  ws=buffers.gemm_workspace[0])
         # The gathered rows are dead once GEMM1 has read them: GEMM2 writes its rows there.
-        _gemm(kernels[1], experts.w2, inter, routed.expert_offsets, routed.row_weights, routed.gathered, H, I,
-              0, 0.0, math.inf, buffers.gemm_workspace[1])
+        _gemm.run(gemm2, experts.w2, inter, routed.expert_offsets, routed.gathered, H, I,
+                  row_weights=routed.row_weights, ws=buffers.gemm_workspace[1])
         finalize(routed.gathered, routed.slot_to_row, k, float(routed_scaling_factor), out)
     return out
