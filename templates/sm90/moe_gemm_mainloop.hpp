@@ -479,6 +479,9 @@ struct Mxfp4MoeMainloop {
       warpgroup_arrive();
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < KBlocks; ++kb) {
+#ifdef MC_PROBE_NO_MMA   // development probe only: the pipeline without tensor-core work
+        if (kb >= 0) continue;
+#endif
         if (kb % NumAcc == 0) {
           cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), accum);
         } else if (kb % NumAcc == 1) {
