@@ -31,8 +31,9 @@ constexpr int kTileSlots = 4096;
 constexpr int kPrefixBatch = 8;
 constexpr int kMaxSmallBlocks = 256;
 constexpr int kMaxStreamBlocks = 4096;
-// 16-byte chunks each thread moves per loop trip; independent loads keep bytes in flight.
-constexpr int kChunksPerTrip = 4;
+// Rows a block gathers (or a finalize thread sums) per loop trip: independent loads keep
+// bytes in flight.
+constexpr int kRowsPerTrip = 4;
 constexpr int kBf16PerChunk = 8;
 
 static_assert(kMaxExperts % kThreads == 0, "block scan assumes whole experts per thread");
@@ -178,29 +179,29 @@ __device__ inline void block_exclusive_scan(const int* counts, int* offsets, int
   __syncthreads();
 }
 
-// gathered[r] = hidden[sorted[r] / top_k] for r < total, 16-byte chunks, grid-strided.
+// gathered[r] = hidden[sorted[r] / top_k] for r < total. Each trip a block copies
+// kRowsPerTrip rows, its threads striding over their 16-byte chunks: one index load per row
+// (no per-chunk division or dependent index load) and kRowsPerTrip loads in flight per thread.
 template <typename IdT>
-__device__ void gather_rows(const ExpandArgs<IdT>& a, const int* sorted, int total, int64_t first,
-                            int64_t step) {
-  const int64_t cpr = a.chunks_per_row;
-  const int64_t n = static_cast<int64_t>(total) * cpr;
-  for (int64_t i = first; i < n; i += kChunksPerTrip * step) {
-    uint4 v[kChunksPerTrip];
-    int64_t dst[kChunksPerTrip];
+__device__ void gather_rows(const ExpandArgs<IdT>& a, const int* sorted, int total) {
+  for (int r0 = blockIdx.x * kRowsPerTrip; r0 < total; r0 += gridDim.x * kRowsPerTrip) {
+    const uint4* src[kRowsPerTrip];
+    uint4* dst[kRowsPerTrip];
 #pragma unroll
-    for (int u = 0; u < kChunksPerTrip; ++u) {
-      const int64_t idx = i + u * step;
-      if (idx < n) {
-        const int64_t r = idx / cpr;
-        const int64_t c = idx - r * cpr;
-        const int64_t token = sorted[r] / a.top_k;
-        v[u] = __ldg(reinterpret_cast<const uint4*>(a.hidden + token * a.hidden_stride) + c);
-        dst[u] = r * a.gathered_stride + c * kBf16PerChunk;
-      }
+    for (int u = 0; u < kRowsPerTrip; ++u) {
+      const int r = min(r0 + u, total - 1);  // past the end: a harmless repeat of the last row
+      const int64_t token = sorted[r] / a.top_k;
+      src[u] = reinterpret_cast<const uint4*>(a.hidden + token * a.hidden_stride);
+      dst[u] = reinterpret_cast<uint4*>(a.gathered + static_cast<int64_t>(r) * a.gathered_stride);
     }
+    for (int64_t c = threadIdx.x; c < a.chunks_per_row; c += kThreads) {
+      uint4 v[kRowsPerTrip];
 #pragma unroll
-    for (int u = 0; u < kChunksPerTrip; ++u) {
-      if (i + u * step < n) *reinterpret_cast<uint4*>(a.gathered + dst[u]) = v[u];
+      for (int u = 0; u < kRowsPerTrip; ++u) v[u] = __ldg(src[u] + c);
+#pragma unroll
+      for (int u = 0; u < kRowsPerTrip; ++u) {
+        if (r0 + u < total) dst[u][c] = v[u];
+      }
     }
   }
 }
@@ -242,8 +243,7 @@ __global__ void __launch_bounds__(kThreads) expand_small_kernel(ExpandArgs<IdT> 
     }
   });
   __syncthreads();
-  gather_rows(a, sorted, offsets[E], static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x,
-              static_cast<int64_t>(gridDim.x) * kThreads);
+  gather_rows(a, sorted, offsets[E]);
 }
 
 __device__ __forceinline__ int tile_begin() { return blockIdx.x * kTileSlots; }
@@ -327,9 +327,7 @@ __global__ void __launch_bounds__(kThreads) expand_scatter_kernel(ExpandArgs<IdT
 // Large path 4/4: gather the rows; the row count is read on the device.
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_gather_kernel(ExpandArgs<IdT> a) {
-  gather_rows(a, a.sorted_slots, a.expert_offsets[a.num_experts],
-              static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x,
-              static_cast<int64_t>(gridDim.x) * kThreads);
+  gather_rows(a, a.sorted_slots, a.expert_offsets[a.num_experts]);
 }
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
@@ -373,11 +371,9 @@ int expand(const IdT* topk_ids, const float* topk_weights, int64_t num_tokens, i
                     hidden_size / kBf16PerChunk, expert_counts, expert_offsets, sorted_slots,
                     slot_to_row, static_cast<__nv_bfloat16*>(gathered), gathered_stride,
                     row_weights, workspace};
-  const int64_t all_chunks = static_cast<int64_t>(a.num_slots) * a.chunks_per_row;
-  constexpr int64_t kGatherChunksPerBlock = static_cast<int64_t>(kThreads) * kChunksPerTrip;
   if (a.num_slots <= kSmallSlots) {
     expand_small_kernel<IdT>
-        <<<grid_blocks(all_chunks, kGatherChunksPerBlock, kMaxSmallBlocks), kThreads, 0, stream>>>(a);
+        <<<grid_blocks(a.num_slots, kRowsPerTrip, kMaxSmallBlocks), kThreads, 0, stream>>>(a);
     return cudaGetLastError();
   }
   const int num_tiles = ceil_div(a.num_slots, kTileSlots);
@@ -394,7 +390,7 @@ int expand(const IdT* topk_ids, const float* topk_weights, int64_t num_tokens, i
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   expand_gather_kernel<IdT>
-      <<<grid_blocks(all_chunks, kGatherChunksPerBlock, kMaxStreamBlocks), kThreads, 0, stream>>>(a);
+      <<<grid_blocks(a.num_slots, kRowsPerTrip, kMaxStreamBlocks), kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -422,16 +418,29 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(FinalizeArgs a) {
     float acc[kBf16PerChunk];
 #pragma unroll
     for (int q = 0; q < kBf16PerChunk; ++q) acc[q] = 0.0f;
-    for (int j = 0; j < a.top_k; ++j) {
-      const int row = __ldg(a.slot_to_row + t * a.top_k + j);
-      if (row < 0 || row >= a.num_rows) continue;
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(a.rows + row * a.rows_stride) + c);
-      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+    // All row indices of a trip first, then all their loads: no chain of dependent round trips.
+    for (int j0 = 0; j0 < a.top_k; j0 += kRowsPerTrip) {
+      int row[kRowsPerTrip];
+      uint4 v[kRowsPerTrip];
 #pragma unroll
-      for (int q = 0; q < kBf16PerChunk / 2; ++q) {
-        const float2 f = __bfloat1622float2(pairs[q]);
-        acc[2 * q] += f.x;
-        acc[2 * q + 1] += f.y;
+      for (int u = 0; u < kRowsPerTrip; ++u) {
+        row[u] = j0 + u < a.top_k ? __ldg(a.slot_to_row + t * a.top_k + j0 + u) : -1;
+        if (row[u] >= a.num_rows) row[u] = -1;
+      }
+#pragma unroll
+      for (int u = 0; u < kRowsPerTrip; ++u) {
+        if (row[u] >= 0) v[u] = __ldg(reinterpret_cast<const uint4*>(a.rows + row[u] * a.rows_stride) + c);
+      }
+#pragma unroll
+      for (int u = 0; u < kRowsPerTrip; ++u) {
+        if (row[u] < 0) continue;
+        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+#pragma unroll
+        for (int q = 0; q < kBf16PerChunk / 2; ++q) {
+          const float2 f = __bfloat1622float2(pairs[q]);
+          acc[2 * q] += f.x;
+          acc[2 * q + 1] += f.y;
+        }
       }
     }
     uint4 packed;
