@@ -63,13 +63,16 @@ def check_tensor(name, t, dtype=None, ndim=None, shape=None, device=None, contig
     are ints (the exact size) or strs (a named dimension of any size). device: a
     torch.device or str; without an index ("cuda") any device of that type fits.
     """
-    expected = _expected(dtype, ndim, shape)
+    # The message is built only on failure: these checks run on every layer call.
+    def expected():
+        return _expected(dtype, ndim, shape)
+
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected {expected}, got {type(t).__name__}")
+        raise TypeError(f"{name}: expected {expected()}, got {type(t).__name__}")
     if dtype is not None and t.dtype not in _as_tuple(dtype):
-        raise TypeError(f"{name}: expected {expected}, got {describe(t)}")
+        raise TypeError(f"{name}: expected {expected()}, got {describe(t)}")
     if (ndim is not None and t.ndim != ndim) or (shape is not None and not _shape_matches(t.shape, shape)):
-        raise ValueError(f"{name}: expected {expected}, got {describe(t)}")
+        raise ValueError(f"{name}: expected {expected()}, got {describe(t)}")
     if device is not None and not _same_device(t.device, torch.device(device)):
         raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
     if contiguous and not t.is_contiguous():

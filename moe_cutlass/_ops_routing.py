@@ -89,6 +89,13 @@ def expand(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     _check_expand(hidden, topk_ids, topk_weights, expert_map, num_experts, expert_counts, expert_offsets,
                   sorted_slots, slot_to_row, gathered, row_weights, workspace)
     _check_aligned(hidden=hidden, gathered=gathered)
+    _launch_expand(hidden, topk_ids, topk_weights, expert_map, num_experts, expert_counts, expert_offsets,
+                   sorted_slots, slot_to_row, gathered, row_weights, workspace)
+
+
+def _launch_expand(hidden, topk_ids, topk_weights, expert_map, num_experts, expert_counts, expert_offsets,
+                   sorted_slots, slot_to_row, gathered, row_weights, workspace):
+    """expand without the argument checks (the caller made them)."""
     M, k = topk_ids.shape
     if M == 0:  # nothing to sort: the counts and offsets are zeros
         expert_counts.zero_()
@@ -142,6 +149,12 @@ def finalize(rows: torch.Tensor, slot_to_row: torch.Tensor, top_k: int, routed_s
     slots < 0 skipped; a token with no kept slot gets zeros), out [M, H] bf16, rows [R, H] bf16."""
     _check_finalize(rows, slot_to_row, top_k, routed_scaling_factor, out)
     _check_aligned(rows=rows, out=out)
+    launch_finalize(rows, slot_to_row, top_k, routed_scaling_factor, out)
+
+
+def launch_finalize(rows, slot_to_row, top_k, routed_scaling_factor, out):
+    """finalize without the argument checks or the op dispatcher, for a caller that made them
+    (fused_moe: its buffers are its own, its arguments checked once)."""
     M = out.shape[0]
     if M == 0:
         return
@@ -201,12 +214,17 @@ class RoutingBuffers:
 
 
 def expand_into(buffers: RoutingBuffers, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                num_experts: int, expert_map: Optional[torch.Tensor] = None) -> RoutingBuffers:
-    """Runs expand into views of `buffers` sized for hidden's tokens; returns those views."""
+                num_experts: int, expert_map: Optional[torch.Tensor] = None, checked: bool = True) -> RoutingBuffers:
+    """Runs expand into views of `buffers` sized for hidden's tokens; returns those views.
+
+    checked=False skips the argument checks and the op dispatcher (tens of microseconds per
+    call) for a caller that has validated the arguments itself, as fused_moe does.
+    """
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.ndim != 2 or topk_ids.shape[1] != buffers.top_k:
         raise ValueError(f"topk_ids: expected a tensor of shape [M, {buffers.top_k}] (the buffers' top_k), got "
                          f"{getattr(topk_ids, 'shape', type(topk_ids).__name__)}")
     view = buffers.for_tokens(topk_ids.shape[0])
-    expand(hidden, topk_ids, topk_weights, expert_map, num_experts, view.expert_counts, view.expert_offsets,
+    launch = expand if checked else _launch_expand
+    launch(hidden, topk_ids, topk_weights, expert_map, num_experts, view.expert_counts, view.expert_offsets,
            view.sorted_slots, view.slot_to_row, view.gathered, view.row_weights, view.workspace)
     return view

@@ -13,7 +13,7 @@ import torch
 from . import _gemm, _lib
 from ._checks import INDEX_DTYPES, check_choice, check_float, check_tensor
 from ._device import require_sm90
-from ._ops_routing import RoutingBuffers, expand_into, finalize
+from ._ops_routing import RoutingBuffers, expand_into, launch_finalize
 from .experts import PreparedExperts
 
 GEMM_KINDS = (1, 2)  # GEMM1: gate/up + activation; GEMM2: down x routing weight
@@ -45,6 +45,9 @@ def _check_args(hidden_states, experts, topk_weights, topk_ids, activation, swig
     for name, t in named.items():
         if t is not None and t.device != device:
             raise ValueError(f"{name}: expected a tensor on {device} (where hidden_states is), got {t.device}")
+    for name, t in (("hidden_states", hidden_states), ("out", out)):
+        if t is not None and t.data_ptr() % 16:  # the kernels move rows in 16-byte vectors
+            raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
     if experts.device != device:
         raise ValueError(f"experts: prepared on {experts.device}, hidden_states on {device}; "
                          f"move them with experts.to({str(device)!r})")
@@ -118,7 +121,7 @@ def fused_moe(hidden_states, experts, topk_weights, topk_ids, activation="silu",
     gemm1, gemm2 = (_gemm.pick_config(kind, M * k, E, _configs_of(kind)) for kind in GEMM_KINDS)
     with torch.cuda.device(device):
         buffers = _buffers_for(M, k, experts, device)
-        routed = expand_into(buffers.routing, hidden_states, topk_ids, topk_weights, E, expert_map)
+        routed = expand_into(buffers.routing, hidden_states, topk_ids, topk_weights, E, expert_map, checked=False)
         inter = buffers.inter[: M * k]
         _gemm.run(gemm1, experts.w13, routed.gathered, routed.expert_offsets, inter, 2 * I, H,
                   activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
@@ -126,5 +129,5 @@ def fused_moe(hidden_states, experts, topk_weights, topk_ids, activation="silu",
         # The gathered rows are dead once GEMM1 has read them: GEMM2 writes its rows there.
         _gemm.run(gemm2, experts.w2, inter, routed.expert_offsets, routed.gathered, H, I,
                   row_weights=routed.row_weights, ws=buffers.gemm_workspace[1])
-        finalize(routed.gathered, routed.slot_to_row, k, float(routed_scaling_factor), out)
+        launch_finalize(routed.gathered, routed.slot_to_row, k, float(routed_scaling_factor), out)
     return out
