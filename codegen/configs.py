@@ -39,12 +39,17 @@ KERNELS = {
         # activation, half-width output), kind 2 = GEMM2 (down, row weight); tile = weight rows x
         # tokens x K; cooperative = 2 consumer warpgroups on one 128-row tile. Which one to use
         # for how many rows per expert: moe_cutlass/_gemm.pick_config (H200 measurements in
-        # benchmarks/results/bench_20261129T124329Z_gemm.json; 128x16x128 and 64x16 pingpong lost
-        # everywhere and were dropped).
+        # benchmarks/results/bench_20261129T124329Z_gemm.json and bench_20261129T131109Z_gemm.json;
+        # 128x16x128 and 64x16 pingpong lost everywhere and were dropped; 128x64x128 wins at
+        # 33..64 rows per expert, where 128x32 needs two tiles and 128x128 pads half of one).
         KernelConfig("moe_gemm1_m128n32k128_coop", "moe_gemm.cu.j2",
                      {"kind": 1, "tile_m": 128, "tile_n": 32, "tile_k": 128, "pingpong": False}),
         KernelConfig("moe_gemm2_m128n32k128_coop", "moe_gemm.cu.j2",
                      {"kind": 2, "tile_m": 128, "tile_n": 32, "tile_k": 128, "pingpong": False}),
+        KernelConfig("moe_gemm1_m128n64k128_coop", "moe_gemm.cu.j2",
+                     {"kind": 1, "tile_m": 128, "tile_n": 64, "tile_k": 128, "pingpong": False}),
+        KernelConfig("moe_gemm2_m128n64k128_coop", "moe_gemm.cu.j2",
+                     {"kind": 2, "tile_m": 128, "tile_n": 64, "tile_k": 128, "pingpong": False}),
         KernelConfig("moe_gemm1_m128n128k128_coop", "moe_gemm.cu.j2",
                      {"kind": 1, "tile_m": 128, "tile_n": 128, "tile_k": 128, "pingpong": False}),
         KernelConfig("moe_gemm2_m128n128k128_coop", "moe_gemm.cu.j2",

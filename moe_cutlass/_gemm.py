@@ -19,9 +19,11 @@ GEMM2_CONFIG = "moe_gemm2_m128n32k128_coop"
 def pick_config(kind: int, rows: int, num_experts: int, available=None) -> str:
     """A config for GEMM<kind> given the host-known upper bound of rows (M * top_k) and E.
 
-    Measured on an H200 (benchmarks/results/bench_20261129T124329Z_gemm.json): with few rows
-    per expert the kernels stream weights (N tile 8/16 with TileK 256 best), around 32 rows per
-    expert the 32-token tile, and from ~64 rows per expert on the 128-token tile (compute bound).
+    Measured on an H200 (benchmarks/results/bench_20261129T124329Z_gemm.json and
+    bench_20261129T131109Z_gemm.json, balanced rows): with few rows per expert the kernels stream
+    weights (N tile 8/16 with TileK 256 best); at 32 rows per expert the 32-token tile wins, at
+    64 the 64-token tile (753 vs 915 us for the 128-token one and 1190 for the 32-token one on
+    gpt-oss GEMM1), at 128 and above the 128-token tile (958 vs 1491 us for the 64-token one).
     `rows` is an upper bound known on the host (M * top_k); the real per-expert counts live on
     the device only.
     """
@@ -30,8 +32,10 @@ def pick_config(kind: int, rows: int, num_experts: int, available=None) -> str:
         name = f"moe_gemm{kind}_m128n8k256_coop"
     elif per_expert <= 12:
         name = f"moe_gemm{kind}_m128n16k256_coop"
-    elif per_expert <= 48:
+    elif per_expert <= 32:
         name = f"moe_gemm{kind}_m128n32k128_coop"
+    elif per_expert <= 64:
+        name = f"moe_gemm{kind}_m128n64k128_coop"
     else:
         name = f"moe_gemm{kind}_m128n128k128_coop"
     if available is not None and name not in available:

@@ -35,10 +35,13 @@
 //     The Pingpong schedule compiles (TileM 64) but measured slower than Cooperative and is
 //     not in the kernel table.
 //
-// Measured on an H200 (benchmarks/results/bench_*_gemm.json): prefill-size problems (128-token
-// tiles) run at 1.3-1.4x the BF16-FLOP floor; weight streaming (decode) reaches 1.4-2.4 TB/s,
-// i.e. 1.8-3x the MXFP4-bytes floor. A probe without the converter streamed at ~2.1 TB/s, so
-// the load pipeline (not only the conversion) limits decode; see the notes in the report.
+// Measured on an H200 (benchmarks/results/bench_*_gemm*.json): prefill-size problems (128-token
+// tiles) run at 1.3-1.45x the BF16-FLOP floor; decode-size ones (weight streaming, N tile 8/16)
+// at 1.7-4.1x the MXFP4-bytes floor (gpt-oss M=4: GEMM1 2.3x, GEMM2 2.9x). The MC_PROBE_NO_CONVERT
+// build runs the same decode shapes at 1.1-1.7x (bench_20261129T125000Z_gemm_probe.json): the
+// converter (~17 SASS instructions per 8 weights plus ~3 per scale byte, in the consumer
+// warpgroups) is most of the remaining gap; shapes with few k tiles per tile also pay the
+// per-tile fixed costs (prologue conversion, epilogue).
 #pragma once
 
 #include "cutlass/cutlass.h"
@@ -70,16 +73,20 @@ CUTLASS_DEVICE uint32_t mc_prmt(uint32_t a, uint32_t b, uint32_t sel) {
 }
 
 // bf16 of magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}: high bytes {00,3F,3F,3F,40,40,40,40},
-// low bytes {00,00,80,C0,00,40,80,C0}. Kept in registers (set once per mainloop call through
-// asm so that ptxas does not re-materialize them before every prmt).
+// low bytes {00,00,80,C0,00,40,80,C0}. Kept in per-thread registers: as known constants ptxas
+// put them in uniform registers and copied two of them into R before every prmt (~5 extra SASS
+// instructions per 8 weights, ~250 IMAD.U32 per 128x8x256 kernel). OR-ing in tid.x >> 16 (always
+// 0, blocks have <= 1024 threads) makes them per-thread values it neither folds nor re-copies.
 struct Mxfp4Lut {
   uint32_t hi0, hi1, lo0, lo1;
   CUTLASS_DEVICE static Mxfp4Lut make() {
     Mxfp4Lut l;
-    asm volatile("mov.b32 %0, 0x3F3F3F00;" : "=r"(l.hi0));
-    asm volatile("mov.b32 %0, 0x40404040;" : "=r"(l.hi1));
-    asm volatile("mov.b32 %0, 0xC0800000;" : "=r"(l.lo0));
-    asm volatile("mov.b32 %0, 0xC0804000;" : "=r"(l.lo1));
+    uint32_t z;
+    asm volatile("{ .reg .u32 t; mov.u32 t, %%tid.x; shr.u32 %0, t, 16; }" : "=r"(z));
+    l.hi0 = 0x3F3F3F00u | z;
+    l.hi1 = 0x40404040u | z;
+    l.lo0 = 0xC0800000u | z;
+    l.lo1 = 0xC0804000u | z;
     return l;
   }
 };
@@ -406,10 +413,11 @@ struct Mxfp4MoeMainloop {
         words[4 * u + 0] = v.x; words[4 * u + 1] = v.y; words[4 * u + 2] = v.z; words[4 * u + 3] = v.w;
       }
       // E8M0 -> bf16x2: bits (s << 7) in both halves = s * 0x00800080 (one IMAD); the rare bytes
-      // 0 (2^-127, a bf16 subnormal) and 255 (NaN) take the exact slow path.
+      // 0 (2^-127, a bf16 subnormal) and 255 (NaN) take the exact slow path, detected through the
+      // tile's min and max byte (2 instructions per byte; a per-byte ==0 / ==255 test took 3).
       uint32_t sb[Groups][2];
       uint32_t sc[Groups][2];
-      bool special = false;
+      uint32_t smin = 255u, smax = 0u;
       CUTLASS_PRAGMA_UNROLL
       for (int g = 0; g < Groups; ++g) {
         uint8_t const* sp = sS_bytes + stage * TmaBytesS + g * TileM + row0;
@@ -418,10 +426,11 @@ struct Mxfp4MoeMainloop {
         CUTLASS_PRAGMA_UNROLL
         for (int h = 0; h < 2; ++h) {
           sc[g][h] = sb[g][h] * 0x00800080u;
-          special |= (sb[g][h] == 0u) | (sb[g][h] == 255u);
+          smin = min(smin, sb[g][h]);
+          smax = max(smax, sb[g][h]);
         }
       }
-      if (special) {
+      if (smin == 0u || smax == 255u) {
         CUTLASS_PRAGMA_UNROLL
         for (int g = 0; g < Groups; ++g) {
           sc[g][0] = mc_e8m0_to_bf16x2(sb[g][0]);
