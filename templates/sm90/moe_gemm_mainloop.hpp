@@ -73,20 +73,31 @@ CUTLASS_DEVICE uint32_t mc_prmt(uint32_t a, uint32_t b, uint32_t sel) {
 }
 
 // bf16 of magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}: high bytes {00,3F,3F,3F,40,40,40,40},
-// low bytes {00,00,80,C0,00,40,80,C0}. Kept in per-thread registers: as known constants ptxas
-// put them in uniform registers and copied two of them into R before every prmt (~5 extra SASS
-// instructions per 8 weights, ~250 IMAD.U32 per 128x8x256 kernel). OR-ing in tid.x >> 16 (always
-// 0, blocks have <= 1024 threads) makes them per-thread values it neither folds nor re-copies.
+// low bytes {00,00,80,C0,00,40,80,C0}. Set once per mainloop call. As constants (set through
+// asm) ptxas keeps them in uniform registers and copies two of them into R before every prmt
+// (~5 extra SASS instructions per 8 weights); PerThread ORs in tid.x >> 16 (always 0, blocks
+// have <= 1024 threads), which makes them per-thread values it neither folds nor re-copies. That
+// wins 4-8% on the converter-bound small-N tiles but cost the 128-token GEMM2 ~4% (register
+// pressure; bench_20261129T131109Z_gemm.json vs bench_20261129T124329Z_gemm.json), hence the
+// choice per tile.
 struct Mxfp4Lut {
   uint32_t hi0, hi1, lo0, lo1;
+  template <bool PerThread>
   CUTLASS_DEVICE static Mxfp4Lut make() {
     Mxfp4Lut l;
-    uint32_t z;
-    asm volatile("{ .reg .u32 t; mov.u32 t, %%tid.x; shr.u32 %0, t, 16; }" : "=r"(z));
-    l.hi0 = 0x3F3F3F00u | z;
-    l.hi1 = 0x40404040u | z;
-    l.lo0 = 0xC0800000u | z;
-    l.lo1 = 0xC0804000u | z;
+    if constexpr (PerThread) {
+      uint32_t z;
+      asm volatile("{ .reg .u32 t; mov.u32 t, %%tid.x; shr.u32 %0, t, 16; }" : "=r"(z));
+      l.hi0 = 0x3F3F3F00u | z;
+      l.hi1 = 0x40404040u | z;
+      l.lo0 = 0xC0800000u | z;
+      l.lo1 = 0xC0804000u | z;
+    } else {
+      asm volatile("mov.b32 %0, 0x3F3F3F00;" : "=r"(l.hi0));
+      asm volatile("mov.b32 %0, 0x40404040;" : "=r"(l.hi1));
+      asm volatile("mov.b32 %0, 0xC0800000;" : "=r"(l.lo0));
+      asm volatile("mov.b32 %0, 0xC0804000;" : "=r"(l.lo1));
+    }
     return l;
   }
 };
@@ -402,7 +413,7 @@ struct Mxfp4MoeMainloop {
     int const slab = warp_group_idx;                                      // 64-row slab of the tile
     int const a_off = slab * 2048 * UnitsPerTile + wg_thread * 16;         // conflict-free 128-bit loads
     int const row0 = slab * 64 + (wg_thread / 32) * 16 + (wg_thread % 32) / 4;   // rows row0, row0+8
-    Mxfp4Lut const lut = Mxfp4Lut::make();
+    Mxfp4Lut const lut = Mxfp4Lut::make<(TileN <= 32)>();
 
     // Loads stage `stage` (A words + scales) and converts the whole k tile into `frag`.
     auto convert_tile = [&](int stage, auto& frag) {
