@@ -1,5 +1,5 @@
-"""Thin Python wrapper of the MoE grouped-GEMM C ABI (templates/sm90/moe_gemm.h.j2), for tests
-and benchmarks. The layer itself calls the library through the same functions.
+"""Thin Python wrapper of the MoE grouped-GEMM C ABI (templates/sm90/moe_gemm.h.j2): the layer,
+the tests and benchmarks/bench_gemm.py call the kernels through it.
 
     mc_sm90_<config>(w_blocks, w_scales, bias, act, expert_offsets, row_weights, out,
                      E, N, K, activation, swiglu_alpha, swiglu_limit, workspace, workspace_bytes, stream)
@@ -77,86 +77,3 @@ def run(config: str, prepared: dict, act: torch.Tensor, expert_offsets: torch.Te
     if check and status != 0:
         raise RuntimeError(f"mc_sm90_{config} failed: {_lib.library().error_string(status)} ({status})")
     return status
-
-
-def bench(configs=None, shapes=None, reps=50):
-    """Times single grouped GEMMs (L2 flushed before every launch, median of `reps`) and prints one
-    line per (config, shape) with the time and its multiple of the MXFP4-bytes / BF16-FLOP floor.
-    Returns a list of dict rows. GPU only; for development."""
-    from . import layout
-
-    lib = _lib.library()
-    configs = configs or [k for k in lib.kernels if k.startswith("moe_gemm")]
-    # (label, E, active experts, rows per active expert, H, I)
-    shapes = shapes or [
-        ("gptoss_decode_m4", 128, 16, 1, 2880, 2880),
-        ("gptoss_m64", 128, 128, 2, 2880, 2880),
-        ("gptoss_m1024", 128, 128, 32, 2880, 2880),
-        ("gptoss_m16384", 128, 128, 512, 2880, 2880),
-        ("qwen3_decode_m4", 128, 32, 1, 2048, 768),
-        ("dsv3_decode_m4", 256, 32, 1, 7168, 2048),
-    ]
-    dev = torch.device("cuda")
-    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device=dev)
-    rows_out = []
-    gen = torch.Generator(device=dev).manual_seed(0)
-    for label, E, active, per, H, I in shapes:
-        counts = torch.zeros(E, dtype=torch.int64)
-        counts[torch.randperm(E, generator=torch.Generator().manual_seed(1))[:active]] = per
-        off = torch.cat((torch.zeros(1, dtype=torch.int64), counts.cumsum(0))).to(torch.int32).to(dev)
-        total = int(counts.sum())
-        for kind in (1, 2):
-            N, K = (2 * I, H) if kind == 1 else (H, I)
-            Np, Kp = layout.round_up(N, layout.ROW_PAD), layout.round_up(K, layout.K_PAD)
-            prepared = {
-                "blocks": torch.randint(0, 256, (E, Np, Kp // 2), dtype=torch.uint8, device=dev, generator=gen),
-                "scales": torch.randint(118, 126, (E, Kp // 32, Np), dtype=torch.uint8, device=dev, generator=gen),
-            }
-            act = torch.randn(total, K, device=dev, generator=gen).to(torch.bfloat16)
-            out = torch.empty(total, N // 2 if kind == 1 else N, dtype=torch.bfloat16, device=dev)
-            rw = torch.ones(total, device=dev)
-            bytes_ = active * N * K * 4.25 / 8
-            flops = 2.0 * total * N * K
-            floor_us = max(bytes_ / 4.25e12, flops / 7.0e14) * 1e6
-            for cfg in configs:
-                if not cfg.startswith(f"moe_gemm{kind}_"):
-                    continue
-                ws = workspace(cfg, E, dev)
-                stream = torch.cuda.Stream(dev)
-                with torch.cuda.stream(stream):
-                    run(cfg, prepared, act, off, out, N, K, row_weights=rw, ws=ws)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, stream=stream):
-                        run(cfg, prepared, act, off, out, N, K, row_weights=rw, ws=ws)
-                    res = {}
-                    for mode in ("graph", "eager"):
-                        times = []
-                        for _ in range(reps + 3):
-                            flush.zero_()
-                            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                            a.record()
-                            if mode == "graph":
-                                graph.replay()
-                            else:
-                                run(cfg, prepared, act, off, out, N, K, row_weights=rw, ws=ws)
-                            b.record()
-                            b.synchronize()
-                            times.append(a.elapsed_time(b) * 1e3)
-                        res[mode] = sorted(times[3:])[len(times[3:]) // 2]
-                us = res["graph"]
-                row = {"config": cfg, "shape": label, "M_rows": total, "N": N, "K": K, "us": round(us, 2),
-                       "eager_us": round(res["eager"], 2), "floor_us": round(floor_us, 2),
-                       "x_floor": round(us / floor_us, 2), "TBps": round(bytes_ / us / 1e6, 2)}
-                print(row, flush=True)
-                rows_out.append(row)
-    return rows_out
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    rows = bench()
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(rows, f, indent=1)
