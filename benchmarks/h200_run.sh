@@ -17,6 +17,8 @@ timeout 330 python3 -m benchmarks.run_gpu_tests --out-dir "$OUT" tests -m gpu -p
   2>&1 | tee "$OUT/tests.log" | tail -5 || status=1
 timeout 170 python3 -m benchmarks.bench_moe --out-dir "$OUT" --reps 50 "$@" 2>&1 | tee "$OUT/bench.log" | grep graph \
   || status=1
+timeout 90 python3 -m benchmarks.bench_gemm --out-dir "$OUT" --shapes gptoss_decode_m4,dsv3_decode_m4,gptoss_m2048 --reps 30 \
+  > "$OUT/bench_gemm.log" 2>&1 || status=1
 timeout 60 python3 -m benchmarks.profile_stages --out-dir "$OUT" --configs qwen3-30b-a3b,dsv3 --ms 1,64,1024,4096 \
   > "$OUT/profile.log" 2>&1 || status=1
 exit $status
