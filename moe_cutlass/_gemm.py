@@ -17,27 +17,25 @@ GEMM2_CONFIG = "moe_gemm2_m128n32k128_coop"
 
 
 def pick_config(kind: int, rows: int, num_experts: int, available=None) -> str:
-    """A config for GEMM<kind> given the host-known upper bound of rows (M * top_k) and E.
+    """A config for GEMM<kind> given the host-known number of rows (M * top_k) and E.
 
-    Measured on an H200 (benchmarks/results/bench_20261129T124329Z_gemm.json and
-    bench_20261129T131109Z_gemm.json, balanced rows): with few rows per expert the kernels stream
-    weights (N tile 8/16 with TileK 256 best); at 32 rows per expert the 32-token tile wins, at
-    64 the 64-token tile (753 vs 915 us for the 128-token one and 1190 for the 32-token one on
-    gpt-oss GEMM1), at 128 and above the 128-token tile (958 vs 1491 us for the 64-token one).
-    `rows` is an upper bound known on the host (M * top_k); the real per-expert counts live on
-    the device only.
+    With few rows per expert the kernels stream weights, and the 8/16-token tiles with TileK 256
+    win even when a busy expert needs a second tile; from ~24 rows per expert on, routing's
+    unevenness decides: a tile sized for the average makes many experts re-stream their weights
+    for a second tile, so the next larger tile wins. Layer A/B on an H200 with random routing
+    (benchmarks/results/bench_20261129T133320Z.json vs bench_20261129T133334Z.json): at 32 rows
+    per expert the 64-token tile beats the 32-token one (gpt-oss M=1024 1138 vs 1346 us, dsv3
+    3656 vs 4401 us), at 64 the 128-token tile beats the 64-token one (qwen3 411 vs 458 us), at
+    24 the 32-token tile still wins (dsv4 1918 vs 2122 us), at 8 the 16-token one (gpt-oss 738
+    vs 909 us). The real per-expert counts live on the device only.
     """
     per_expert = rows / max(1, num_experts)
-    if per_expert <= 4:
-        name = f"moe_gemm{kind}_m128n8k256_coop"
-    elif per_expert <= 12:
-        name = f"moe_gemm{kind}_m128n16k256_coop"
-    elif per_expert <= 32:
-        name = f"moe_gemm{kind}_m128n32k128_coop"
-    elif per_expert <= 64:
-        name = f"moe_gemm{kind}_m128n64k128_coop"
+    for limit, tile in ((4, "n8k256"), (12, "n16k256"), (24, "n32k128"), (48, "n64k128")):
+        if per_expert <= limit:
+            break
     else:
-        name = f"moe_gemm{kind}_m128n128k128_coop"
+        tile = "n128k128"
+    name = f"moe_gemm{kind}_m128{tile}_coop"
     if available is not None and name not in available:
         name = f"moe_gemm{kind}_m128n32k128_coop"
     return name
