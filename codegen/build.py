@@ -5,6 +5,7 @@ library holds: it makes the library self-describing), build_report.json, obj/ (c
 """
 
 import concurrent.futures as futures
+import ctypes
 import json
 import os
 import subprocess
@@ -202,6 +203,17 @@ def _link(build: Build, objects: list, library: Path, lib_manifest: dict) -> boo
     return True
 
 
+def _add_dynamic_smem(objects: dict, library: Path, arch: str) -> None:
+    """ptxas sees static shared memory only; kernels sized at launch (the CUTLASS GEMMs) export
+    `<symbol>_shared_memory_bytes`, read here from the linked library (host code: no GPU needed)."""
+    lib = ctypes.CDLL(str(library))
+    for name, obj in objects.items():
+        query = getattr(lib, f"mc_{arch}_{name}_shared_memory_bytes", None)
+        if query is not None:
+            query.restype = ctypes.c_size_t
+            obj["dynamic_smem_bytes"] = int(query())
+
+
 def build(arch: str, only=None, jobs: int | None = None, gen_dir: Path | None = None,
           out_dir: Path | None = None, emit=None) -> Path:
     """Builds the library from the rendered sources; returns its path."""
@@ -243,6 +255,7 @@ def build(arch: str, only=None, jobs: int | None = None, gen_dir: Path | None = 
             for r in (results[k["name"]] for k in kernels)
         },
     }
+    _add_dynamic_smem(build_report["objects"], library, arch)
     cache.publish_text(out_dir / "build_report.json", json.dumps(build_report, indent=2) + "\n")
     cached = sum(r.cached for r in results.values())
     progress(f"done: {len(results) - cached} compiled, {cached} cached, report {out_dir / 'build_report.json'}")

@@ -59,6 +59,9 @@ int mc_sm90_moe_gemm1_m128n32k128_coop(const void* w_blocks, const void* w_scale
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n32k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m128n32k128_coop_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm1_m128n32k128_coop's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm1_m128n32k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m128n32k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n32k128_coop: GEMM2, tile 128x32x128, cooperative.
@@ -78,6 +81,9 @@ int mc_sm90_moe_gemm2_m128n32k128_coop(const void* w_blocks, const void* w_scale
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n32k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m128n32k128_coop_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm2_m128n32k128_coop's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm2_m128n32k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m128n64k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n64k128_coop: GEMM1, tile 128x64x128, cooperative.
@@ -97,6 +103,9 @@ int mc_sm90_moe_gemm1_m128n64k128_coop(const void* w_blocks, const void* w_scale
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n64k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m128n64k128_coop_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm1_m128n64k128_coop's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm1_m128n64k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m128n64k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n64k128_coop: GEMM2, tile 128x64x128, cooperative.
@@ -116,6 +125,9 @@ int mc_sm90_moe_gemm2_m128n64k128_coop(const void* w_blocks, const void* w_scale
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n64k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m128n64k128_coop_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm2_m128n64k128_coop's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm2_m128n64k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m128n128k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n128k128_coop: GEMM1, tile 128x128x128, cooperative.
@@ -135,6 +147,9 @@ int mc_sm90_moe_gemm1_m128n128k128_coop(const void* w_blocks, const void* w_scal
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n128k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m128n128k128_coop_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm1_m128n128k128_coop's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm1_m128n128k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m128n128k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n128k128_coop: GEMM2, tile 128x128x128, cooperative.
@@ -154,6 +169,9 @@ int mc_sm90_moe_gemm2_m128n128k128_coop(const void* w_blocks, const void* w_scal
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n128k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m128n128k128_coop_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm2_m128n128k128_coop's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm2_m128n128k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m128n16k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n16k256_coop: GEMM1, tile 128x16x256, cooperative.
@@ -173,6 +191,9 @@ int mc_sm90_moe_gemm1_m128n16k256_coop(const void* w_blocks, const void* w_scale
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n16k256_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m128n16k256_coop_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm1_m128n16k256_coop's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm1_m128n16k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m128n16k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n16k256_coop: GEMM2, tile 128x16x256, cooperative.
@@ -192,6 +213,9 @@ int mc_sm90_moe_gemm2_m128n16k256_coop(const void* w_blocks, const void* w_scale
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n16k256_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m128n16k256_coop_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm2_m128n16k256_coop's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm2_m128n16k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m128n8k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n8k256_coop: GEMM1, tile 128x8x256, cooperative.
@@ -211,6 +235,9 @@ int mc_sm90_moe_gemm1_m128n8k256_coop(const void* w_blocks, const void* w_scales
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n8k256_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m128n8k256_coop_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm1_m128n8k256_coop's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm1_m128n8k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m128n8k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n8k256_coop: GEMM2, tile 128x8x256, cooperative.
@@ -230,6 +257,9 @@ int mc_sm90_moe_gemm2_m128n8k256_coop(const void* w_blocks, const void* w_scales
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n8k256_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m128n8k256_coop_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm2_m128n8k256_coop's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm2_m128n8k256_coop_shared_memory_bytes(void);
 
 #ifdef __cplusplus
 }

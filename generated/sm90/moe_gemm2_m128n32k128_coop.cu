@@ -21,6 +21,9 @@ int mc_sm90_moe_gemm2_m128n32k128_coop(const void* w_blocks, const void* w_scale
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n32k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m128n32k128_coop_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm2_m128n32k128_coop's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm2_m128n32k128_coop_shared_memory_bytes(void);
 }
 
 // MXFP4 x BF16 MoE grouped GEMM: GEMM2, tile 128x32x128, cooperative.
@@ -41,4 +44,8 @@ extern "C" int mc_sm90_moe_gemm2_m128n32k128_coop(const void* w_blocks, const vo
 
 extern "C" size_t mc_sm90_moe_gemm2_m128n32k128_coop_workspace_size(int32_t E, int32_t num_sms) {
   return moe_cutlass::moe_gemm_workspace_size<Cfg>(E, num_sms);
+}
+
+extern "C" size_t mc_sm90_moe_gemm2_m128n32k128_coop_shared_memory_bytes(void) {
+  return Cfg::Kernel::SharedStorageSize;
 }
