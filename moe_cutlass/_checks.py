@@ -100,3 +100,15 @@ def check_float(name, value, positive=False):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
     if not math.isfinite(value) or (positive and value <= 0):
         raise ValueError(f"{name}: expected a {'positive ' if positive else ''}finite number, got {value}")
+
+
+ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+def check_layer_options(activation, swiglu_limit, swiglu_alpha, routed_scaling_factor):
+    """The scalar options of a MoE layer call (the kernels' and the reference's alike)."""
+    check_choice("activation", activation, ACTIVATIONS)
+    if swiglu_limit is not None:
+        check_float("swiglu_limit", swiglu_limit, positive=True)
+    check_float("swiglu_alpha", swiglu_alpha)
+    check_float("routed_scaling_factor", routed_scaling_factor)

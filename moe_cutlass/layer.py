@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _gemm, _lib
-from ._checks import INDEX_DTYPES, check_choice, check_float, check_tensor
+from ._checks import INDEX_DTYPES, check_layer_options, check_tensor
 from ._device import require_sm90
 from ._ops_routing import RoutingBuffers, expand_into, launch_finalize
 from .experts import PreparedExperts
@@ -29,11 +29,7 @@ def _check_args(hidden_states, experts, topk_weights, topk_ids, activation, swig
     M = hidden_states.shape[0]
     check_tensor("topk_ids", topk_ids, dtype=INDEX_DTYPES, shape=(M, "k"), contiguous=True)
     check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_ids.shape), contiguous=True)
-    check_choice("activation", activation, tuple(_gemm.ACTIVATIONS))
-    if swiglu_limit is not None:
-        check_float("swiglu_limit", swiglu_limit, positive=True)
-    check_float("swiglu_alpha", swiglu_alpha)
-    check_float("routed_scaling_factor", routed_scaling_factor)
+    check_layer_options(activation, swiglu_limit, swiglu_alpha, routed_scaling_factor)
     if expert_map is not None:
         check_tensor("expert_map", expert_map, dtype=torch.int32, shape=("E_global",), contiguous=True)
     if out is not None:

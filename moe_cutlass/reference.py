@@ -13,9 +13,7 @@ runs two float32 matmuls per expert.
 import torch
 import torch.nn.functional as F
 
-from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_float, check_tensor
-
-ACTIVATIONS = ("silu", "swiglu_oai")
+from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_layer_options, check_tensor
 
 
 def _check_args(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit,
@@ -24,11 +22,7 @@ def _check_args(hidden_states, experts, topk_weights, topk_ids, activation, swig
     m, device = hidden_states.shape[0], hidden_states.device
     check_tensor("topk_ids", topk_ids, dtype=INDEX_DTYPES, shape=(m, "k"), device=device)
     check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_ids.shape), device=device)
-    check_choice("activation", activation, ACTIVATIONS)
-    if swiglu_limit is not None:
-        check_float("swiglu_limit", swiglu_limit, positive=True)
-    check_float("swiglu_alpha", swiglu_alpha)
-    check_float("routed_scaling_factor", routed_scaling_factor)
+    check_layer_options(activation, swiglu_limit, swiglu_alpha, routed_scaling_factor)
     if expert_map is not None:
         check_tensor("expert_map", expert_map, dtype=torch.int32, shape=("E_global",), device=device)
 
