@@ -61,3 +61,20 @@ def test_experts_must_be_prepared():
 def test_cpu_tensors_are_refused(experts):
     with pytest.raises(ValueError, match="CUDA"):
         call(experts)
+
+
+@pytest.mark.parametrize("rows_per_expert, tile", [
+    (1, "n8k256"), (4, "n8k256"), (8, "n16k256"), (12, "n16k256"), (16, "n32k128"), (24, "n32k128"),
+    (32, "n64k128"), (48, "n64k128"), (64, "n128k128"), (512, "n128k128"),
+])
+def test_gemm_tile_follows_rows_per_expert(rows_per_expert, tile):
+    from moe_cutlass import _gemm
+
+    for kind in (1, 2):
+        assert _gemm.pick_config(kind, rows_per_expert * 128, 128) == f"moe_gemm{kind}_m128{tile}_coop"
+
+
+def test_gemm_tile_falls_back_to_one_the_library_holds():
+    from moe_cutlass import _gemm
+
+    assert _gemm.pick_config(1, 8, 1, available=["moe_gemm1_m128n32k128_coop"]) == "moe_gemm1_m128n32k128_coop"
