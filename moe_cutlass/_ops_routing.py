@@ -27,6 +27,16 @@ def _check_rows(name: str, t: torch.Tensor) -> None:
                          f"{_VECTOR_BF16} elements, got strides {list(t.stride())}")
 
 
+def _check_bf16_matrix(name: str, t: torch.Tensor) -> tuple:
+    """A CUDA bf16 [M, H] matrix whose rows the kernels move in 16-byte vectors; returns (M, H)."""
+    check_tensor(name, t, dtype=torch.bfloat16, ndim=2, device="cuda")
+    if t.shape[1] == 0 or t.shape[1] % _VECTOR_BF16 != 0:
+        raise ValueError(f"{name}: expected a hidden size that is a positive multiple of {_VECTOR_BF16}, "
+                         f"got {t.shape[1]}")
+    _check_rows(name, t)
+    return tuple(t.shape)
+
+
 def _check_aligned(**tensors) -> None:
     # Real tensors only: fake tensors (torch.compile tracing) have no address.
     for name, t in tensors.items():
@@ -36,12 +46,8 @@ def _check_aligned(**tensors) -> None:
 
 def _check_expand(hidden, topk_ids, topk_weights, expert_map, num_experts, expert_counts, expert_offsets,
                   sorted_slots, slot_to_row, gathered, row_weights, workspace):
-    check_tensor("hidden", hidden, dtype=torch.bfloat16, ndim=2, device="cuda")
+    M, H = _check_bf16_matrix("hidden", hidden)
     dev = hidden.device
-    M, H = hidden.shape
-    if H == 0 or H % _VECTOR_BF16 != 0:
-        raise ValueError(f"hidden: expected a hidden size that is a positive multiple of {_VECTOR_BF16}, got {H}")
-    _check_rows("hidden", hidden)
     check_tensor("topk_ids", topk_ids, dtype=(torch.int32, torch.int64), shape=(M, "k"), device=dev, contiguous=True)
     k = topk_ids.shape[1]
     check_int("topk_ids.shape[1] (top_k)", k, 1)
@@ -129,12 +135,8 @@ def _(hidden, topk_ids, topk_weights, expert_map, num_experts, expert_counts, ex
 
 
 def _check_finalize(rows, slot_to_row, top_k, routed_scaling_factor, out):
-    check_tensor("out", out, dtype=torch.bfloat16, ndim=2, device="cuda")
+    M, H = _check_bf16_matrix("out", out)
     dev = out.device
-    M, H = out.shape
-    if H == 0 or H % _VECTOR_BF16 != 0:
-        raise ValueError(f"out: expected a hidden size that is a positive multiple of {_VECTOR_BF16}, got {H}")
-    _check_rows("out", out)
     check_tensor("rows", rows, dtype=torch.bfloat16, shape=("R", H), device=dev)
     _check_rows("rows", rows)
     check_int("top_k", top_k, 1)
