@@ -1,0 +1,30 @@
+"""Evidence records (benchmarks/record.py, peers_record.py): the fields DESIGN.md section 5 asks for."""
+import json
+
+from benchmarks.peers_record import rows_of
+from benchmarks.record import write_record
+
+PEERS_RUN = {
+    "device": "NVIDIA H200", "peers": ["flaggems", "moe_cutlass"], "hbm_bytes_per_s": 4.25e12,
+    "bf16_flops_per_s": 7e14,
+    "rows": [{"config": "gpt-oss-120b", "M": 4, "floor_mxfp4_us": 50.0, "flaggems_us": 190.0,
+              "flaggems_eager_us": 400.0, "flaggems_relerr": 4e-3, "moe_cutlass_us": 125.0,
+              "moe_cutlass_eager_us": 160.0, "moe_cutlass_relerr": 3e-3}],
+}
+
+
+def test_record_carries_the_required_fields(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_CUTLASS_COMMIT", "abc123")
+    path = write_record("bench", {"device": "NVIDIA H200", "rows": []}, tmp_path)
+    record = json.loads(path.read_text())
+    assert {"commit", "date", "device", "command", "kind"} <= set(record)
+    assert record["commit"] == "abc123" and record["kind"] == "bench" and record["device"] == "NVIDIA H200"
+    assert path.parent == tmp_path and path.name.startswith("bench_")
+
+
+def test_peer_rows_become_bench_rows():
+    rows = rows_of(PEERS_RUN)
+    assert len(rows) == 4  # two peers x graph/eager
+    ours = next(r for r in rows if r["impl"] == "moe_cutlass" and r["mode"] == "graph")
+    assert ours == {"impl": "moe_cutlass", "config": "gpt-oss-120b", "M": 4, "mode": "graph", "us": 125.0,
+                    "floor_us": 50.0, "x_floor": 2.5, "relerr": 3e-3}
