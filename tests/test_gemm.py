@@ -151,10 +151,13 @@ def test_converter_exact_every_scale_byte(config, path):
     G = 33 if path == "fast" else 64
     top = layout.FAST_SCALE_MAX if path == "fast" else 254
     E, N, K = 1, 128, 32 * G
-    codes = (torch.arange(N).view(N, 1) * 7 + torch.arange(K).view(1, K)) % 16
-    blocks = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(E, N, K // 2)
     base = 4 * torch.arange(G)
     s = (base.view(1, G) + torch.arange(N).view(N, 1) % 4).clamp(max=top)
+    codes = (torch.arange(N).view(N, 1) * 7 + torch.arange(K).view(1, K)) % 16
+    # 2 * 2^(254-127) overflows bf16, and one inf weight would turn its whole row NaN (0 * inf):
+    # blocks with bytes 253 and 254 keep the codes 0, 0.5, 1, 1.5 (clear e1)
+    codes = torch.where(s.repeat_interleave(32, 1) >= 253, codes & 0b1011, codes)
+    blocks = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(E, N, K // 2)
     if path == "slow":
         s[5, 3] = 255
     scales = s.to(torch.uint8).view(E, N, G)
@@ -317,4 +320,4 @@ def test_layout_same_on_cpu_and_gpu():
         b = fn(blocks.cuda(), scales.cuda(), bias.cuda(), *args)
         assert a.keys() == b.keys()
         for k in a:
-            assert torch.equal(a[k], b[k].cpu()), k
+            assert torch.equal(a[k], b[k].cpu()) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k
