@@ -1,7 +1,7 @@
 """Thin Python wrapper of the MoE grouped-GEMM C ABI (templates/sm90/moe_gemm.h.j2): the layer,
 the tests and benchmarks/bench_gemm.py call the kernels through it.
 
-    mc_sm90_<config>(w_blocks, w_scales, bias, act, expert_offsets, row_weights, out,
+    mc_sm90_<config>(w_blocks, w_scales, bias, act, act_rows, expert_offsets, row_weights, out,
                      E, N, K, scale_max, activation, swiglu_alpha, swiglu_limit, workspace, workspace_bytes, stream)
 """
 
@@ -70,7 +70,7 @@ def run(config: str, prepared: dict, act: torch.Tensor, expert_offsets: torch.Te
     limit = math.inf if swiglu_limit is None else float(swiglu_limit)
     act_code = ACTIVATIONS[activation] if isinstance(activation, str) else int(activation)
     fn = _lib.library().function(f"mc_sm90_{config}")
-    status = fn(_ptr(prepared["blocks"]), _ptr(prepared["scales"]), _ptr(prepared.get("bias")), _ptr(act),
+    status = fn(_ptr(prepared["blocks"]), _ptr(prepared["scales"]), _ptr(prepared.get("bias")), _ptr(act), act.shape[0],
                 _ptr(expert_offsets), _ptr(row_weights), _ptr(out), E, N, K,
                 prepared.get("scale_max", MAX_SCALE_BYTE), act_code, float(swiglu_alpha),
                 limit, _ptr(ws), ws.numel(), stream)

@@ -118,12 +118,14 @@ def fused_moe(hidden_states, experts, topk_weights, topk_ids, activation="silu",
     with torch.cuda.device(device):
         buffers = _buffers_for(M, k, experts, device)
         routed = expand_into(buffers.routing, hidden_states, topk_ids, topk_weights, E, expert_map, checked=False)
-        inter = buffers.inter[: M * k]
-        _gemm.run(gemm1, experts.w13, routed.gathered, routed.expert_offsets, inter, 2 * I, H,
+        # The GEMMs get the whole buffers: their TMA descriptors span the buffer (rows past an
+        # expert are read and masked), and the same extent every call keeps the host's cached
+        # descriptors valid. The gathered rows are dead once GEMM1 has read them: GEMM2 writes there.
+        gathered = buffers.routing.gathered
+        _gemm.run(gemm1, experts.w13, gathered, routed.expert_offsets, buffers.inter, 2 * I, H,
                   activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                   ws=buffers.gemm_workspace[0])
-        # The gathered rows are dead once GEMM1 has read them: GEMM2 writes its rows there.
-        _gemm.run(gemm2, experts.w2, inter, routed.expert_offsets, routed.gathered, H, I,
+        _gemm.run(gemm2, experts.w2, buffers.inter, routed.expert_offsets, gathered, H, I,
                   row_weights=routed.row_weights, ws=buffers.gemm_workspace[1])
         launch_finalize(routed.gathered, routed.slot_to_row, k, float(routed_scaling_factor), out)
     return out

@@ -25,10 +25,16 @@
 //     layout.py's scale_max) runs the whole call on a two-multiply path (2^126, then 2^(s-127))
 //     that is exact for every byte, 255 giving NaN. No per-byte scale tests in the loop. Upstream
 //     has no e2m1 fast path on SM90 (generic ~100 instr/value converter).
-//  4. A and scale TMA descriptors have the same dims for every expert (known on the host), only
-//     their base addresses are replaced per group; B (tokens) gets dims (rows_e, K) per group,
-//     K being the REAL K (the weights are padded to Kp = roundup(K, 64) with zeros; TMA zero
-//     fills B's K tail, so padding never reads past a token row).
+//  4. Static TMA descriptors over all experts, encoded once on the host: A as (256 B, unit rows,
+//     slabs, E), scales as (Npad, Kp/32, E), B as the whole act buffer (rows, K) with the tile's
+//     first row offsets[e] + n * TileN (rows past the expert are read and masked in the epilogue;
+//     DeepGEMM's "contiguous layout"). Upstream rewrites A, B and scale descriptors in smem,
+//     fences them and publishes them to global memory on every group change (tensormap.replace;
+//     about 5000 cycles per change, KERNEL_NOTES H.2), and with the grouped scheduler's strided
+//     tile order nearly every tile of a CTA is a new group. Here the kernel layer's tensormap
+//     hooks are no-ops and tensors_perform_update only records (expert, first row). K is the
+//     REAL K for B (the weights are padded to Kp = roundup(K, 64) with zeros; TMA zero fills B's
+//     K tail, so padding never reads past a token row).
 //  5. Consumer schedule: two A register sets; the GMMAs of k tile t (one arrive/commit for the
 //     whole tile) run while tile t+1 is read from smem and converted into the other set, then
 //     wait<0> and release tile t's stage (upstream converts k-block kb+1 during k-block kb with
@@ -181,11 +187,7 @@ struct Mxfp4MoeMainloop {
       alignas(1024) cute::array_aligned<ElementMma, cosize_v<SmemLayoutB>, 1024> smem_B;
       alignas(128) cute::array_aligned<uint8_t, TmaBytesS * Stages, 128> smem_scale;
     } tensors;
-    struct TensorMapStorage {
-      cute::TmaDescriptor smem_tensormap_A;
-      cute::TmaDescriptor smem_tensormap_B;
-      cute::TmaDescriptor smem_tensormap_scale;
-    };
+    struct TensorMapStorage {};   // the descriptors are static kernel parameters
     using PipelineStorage = typename MainloopPipeline::SharedStorage;
     PipelineStorage pipeline;
   };
@@ -196,22 +198,27 @@ struct Mxfp4MoeMainloop {
   static constexpr bool IsGroupedGemmKernel = true;
 
   struct Arguments {
-    ElementA const** ptr_A;        // [E] expert weight tiles (prepared layout)
-    StrideA dA;                    // [E] (Kp, 1, 0) in 4-bit elements
-    ElementB const** ptr_B;        // [E] first token row of each expert
-    StrideB dB;                    // [E] (K, 1, 0)
-    ElementScale const** ptr_S;    // [E] expert scales [Kp/32][Npad]
+    uint8_t const* w_blocks;       // [E][Npad/64][Kp/64][2048 B] prepared weights
+    ElementScale const* w_scales;  // [E][Kp/32][Npad] E8M0 bytes
+    ElementB const* act;           // [act_rows][K] tokens in expert order
+    int32_t const* offsets;        // [E+1] expert row offsets into act (device)
+    int num_experts = 0;
+    int act_rows = 0;              // rows the act buffer holds (>= offsets[E])
     int m_pad = 0;                 // Npad: weight rows (and scale row stride), multiple of TileM
     int k_pad = 0;                 // Kp: padded K of the weights (multiple of 64)
     int k_real = 0;                // K of the activations
     int scale_max = 255;           // largest scale byte of the weights (layout.py's scale_max)
   };
 
-  using TmaElementA = uint8_t;
-  using GmemLayoutA = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, _0>>;   // (rows, K, L)
-  // per expert: (256 B, 8 * Kp/64 unit rows, Npad/64 slabs); slab stride = 2048 * Kp/64 bytes
-  using GmemLayoutUnits = Layout<Shape<int32_t, int32_t, int32_t>, Stride<_1, _256, int64_t>>;
-  using GmemLayoutS = Layout<Shape<int32_t, int32_t, int32_t>, Stride<_1, int64_t, _0>>;
+  // Static descriptors over ALL experts (no per-group tensormap.replace, KERNEL_NOTES H.2):
+  //   A: (256 B, 8 * Kp/64 unit rows, Npad/64 slabs, E), slab stride 2048 * Kp/64 B;
+  //   scales: (Npad, Kp/32, E);
+  //   B: the whole act buffer (act_rows, K); an expert's tile starts at row offsets[e] + n * TileN,
+  //      rows past the expert belong to the next one (or are zero-filled past act_rows) and are
+  //      masked by the epilogue (n < rows_e).
+  using GmemLayoutB = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, _0>>;
+  using GmemLayoutUnits = Layout<Shape<int32_t, int32_t, int32_t, int32_t>, Stride<_1, _256, int64_t, int64_t>>;
+  using GmemLayoutS = Layout<Shape<int32_t, int32_t, int32_t>, Stride<_1, int64_t, int64_t>>;
 
   struct Params {
     using TMA_A = decltype(make_tma_copy(
@@ -220,7 +227,7 @@ struct Mxfp4MoeMainloop {
         SmemLayoutA{}(_, _, _, Int<0>{}), TileShapeA{}, _1{}));
     using TMA_B = decltype(make_tma_copy(
         GmemTiledCopyB{},
-        make_tensor(static_cast<ElementB const*>(nullptr), GmemLayoutA{}),
+        make_tensor(static_cast<ElementB const*>(nullptr), GmemLayoutB{}),
         SmemLayoutB{}(_, _, Int<0>{}), make_shape(Int<TileN>{}, Int<TileK>{}), _1{}));
     using TMA_S = decltype(make_tma_copy(
         GmemTiledCopyScale{},
@@ -230,11 +237,9 @@ struct Mxfp4MoeMainloop {
     TMA_B tma_load_b;
     TMA_S tma_load_scale;
     uint32_t tma_transaction_bytes = TmaTransactionBytes;
-    void* tensormaps;
-    ElementA const** ptr_A;
-    ElementB const** ptr_B;
-    ElementScale const** ptr_S;
-    StrideB ptr_dB;
+    int32_t const* offsets;
+    int num_experts;
+    int act_rows;
     int m_pad;
     int k_pad;
     int k_real;
@@ -242,21 +247,16 @@ struct Mxfp4MoeMainloop {
   };
 
   template <class ProblemShape>
-  static Params to_underlying_arguments(ProblemShape, Arguments const& args, void* workspace) {
-    // A and the scales have the same dims for every expert: encode them for real here; only
-    // their addresses change per group. B gets placeholder dims, replaced per group.
-    auto ptrA0 = reinterpret_cast<uint8_t const*>(uintptr_t(0x100000));  // any 16B-aligned address
-    auto ptrB0 = reinterpret_cast<ElementB const*>(uintptr_t(0x100000));
-    auto ptrS0 = reinterpret_cast<ElementScale const*>(uintptr_t(0x100000));
-    Tensor tA = make_tensor(ptrA0,
-        make_layout(make_shape(int32_t(256), int32_t(args.k_pad / 8), int32_t(args.m_pad / 64)),
-                    make_stride(_1{}, _256{}, int64_t(args.k_pad) * 32)));
-    Tensor tB = make_tensor(ptrB0,
-        make_layout(make_shape(int32_t(1), int32_t(args.k_real), int32_t(1)),
+  static Params to_underlying_arguments(ProblemShape, Arguments const& args, void*) {
+    Tensor tA = make_tensor(args.w_blocks,
+        make_layout(make_shape(int32_t(256), int32_t(args.k_pad / 8), int32_t(args.m_pad / 64), int32_t(args.num_experts)),
+                    make_stride(_1{}, _256{}, int64_t(args.k_pad) * 32, int64_t(args.m_pad) * args.k_pad / 2)));
+    Tensor tB = make_tensor(args.act,
+        make_layout(make_shape(int32_t(args.act_rows), int32_t(args.k_real), int32_t(1)),
                     make_stride(int64_t(args.k_real), _1{}, _0{})));
-    Tensor tS = make_tensor(ptrS0,
-        make_layout(make_shape(int32_t(args.m_pad), int32_t(args.k_pad / 32), int32_t(1)),
-                    make_stride(_1{}, int64_t(args.m_pad), _0{})));
+    Tensor tS = make_tensor(args.w_scales,
+        make_layout(make_shape(int32_t(args.m_pad), int32_t(args.k_pad / 32), int32_t(args.num_experts)),
+                    make_stride(_1{}, int64_t(args.m_pad), int64_t(args.m_pad) * args.k_pad / 32)));
     Params p{
       make_tma_copy(GmemTiledCopyA{}, tA, SmemLayoutA{}(_, _, _, Int<0>{}), TileShapeA{}, _1{}),
       make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutB{}(_, _, Int<0>{}),
@@ -264,15 +264,14 @@ struct Mxfp4MoeMainloop {
       make_tma_copy(GmemTiledCopyScale{}, tS, SmemLayoutScale{}(_, _, Int<0>{}),
                     make_shape(Int<TileM>{}, Int<Groups>{}), _1{}),
       TmaTransactionBytes,
-      workspace,
-      args.ptr_A, args.ptr_B, args.ptr_S, args.dB,
+      args.offsets, args.num_experts, args.act_rows,
       args.m_pad, args.k_pad, args.k_real, int(args.scale_max > kFastScaleMax)};
     return p;
   }
 
   template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int sm_count) {
-    return 3 * sizeof(cute::TmaDescriptor) * size_t(sm_count);
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
+    return 0;
   }
 
   template <class ProblemShape>
@@ -285,32 +284,35 @@ struct Mxfp4MoeMainloop {
   static bool can_implement(ProblemShape, Arguments const& args) {
     return args.m_pad > 0 && args.m_pad % TileM == 0 && args.k_pad > 0 && args.k_pad % 64 == 0 &&
            args.k_real > 0 && args.k_real % 32 == 0 && args.k_real <= args.k_pad &&
-           args.k_pad - args.k_real < 64 && args.ptr_A && args.ptr_B && args.ptr_S && args.dB;
+           args.k_pad - args.k_real < 64 && args.w_blocks && args.w_scales && args.act && args.offsets &&
+           args.num_experts > 0 && args.act_rows > 0;
   }
 
   // ----------------------------------------------------------------------------------------
   // Producer side
   // ----------------------------------------------------------------------------------------
+  // load_inputs: (gA, gB) carry the tile counts the kernel layer reads (shapes only; K and the
+  // weight rows are the same for every expert), then the three static TMA coordinate tensors and
+  // the current expert and its first act row, which tensors_perform_update sets per group.
   template <class ProblemShape_MNKL>
   CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_MNKL, Params const& p) const {
     using X = Underscore;
     auto [M, N, K, L] = problem_shape_MNKL;
-    // gA_mkl (first element, as the kernel layer expects): a counting tensor giving the (m, k) tile
-    // counts; the real A loads use the unit view (last element).
     Tensor mA = make_identity_tensor(make_shape(int32_t(p.m_pad), int32_t(p.k_pad), int32_t(1)));
-    Tensor mAu = p.tma_load_a.get_tma_tensor(make_shape(int32_t(256), int32_t(p.k_pad / 8), int32_t(p.m_pad / 64)));
-    Tensor gAu = local_tile(mAu, TileShapeA{}, make_coord(_0{}, _, _));   // (256, 8U, S, k, m)
-    Tensor mB = p.tma_load_b.get_tma_tensor(make_shape(int32_t(N), int32_t(p.k_real), int32_t(1)));
-    Tensor mS = p.tma_load_scale.get_tma_tensor(make_shape(int32_t(p.m_pad), int32_t(p.k_pad / 32), int32_t(1)));
+    Tensor mB = make_identity_tensor(make_shape(int32_t(N), int32_t(p.k_real), int32_t(1)));
     Tensor gA = local_tile(mA, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});   // (BM,BK,m,k,l)
     Tensor gB = local_tile(mB, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{});   // (BN,BK,n,k,l)
-    Tensor gS = local_tile(mS, make_shape(Int<TileM>{}, Int<Groups>{}), make_coord(_, _));  // (BM,G,m,kg,l)
-    return cute::make_tuple(gA, gB, gS, gAu);
+    Tensor mAu = p.tma_load_a.get_tma_tensor(
+        make_shape(int32_t(256), int32_t(p.k_pad / 8), int32_t(p.m_pad / 64), int32_t(p.num_experts)));
+    Tensor mS = p.tma_load_scale.get_tma_tensor(
+        make_shape(int32_t(p.m_pad), int32_t(p.k_pad / 32), int32_t(p.num_experts)));
+    Tensor mAct = p.tma_load_b.get_tma_tensor(make_shape(int32_t(p.act_rows), int32_t(p.k_real), int32_t(1)));
+    return cute::make_tuple(gA, gB, mAu, mS, mAct, int32_t(0), int32_t(0));
   }
 
   template <class... Ts, class... TMs, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState smem_pipe_write,
-                           cute::tuple<Ts...> const& load_inputs, cute::tuple<TMs...> const& input_tensormaps,
+                           cute::tuple<Ts...> const& load_inputs, cute::tuple<TMs...> const&,
                            BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
                            int thread_idx, uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
@@ -318,17 +320,19 @@ struct Mxfp4MoeMainloop {
     Tensor sB = as_position_independent_swizzle_tensor(sB_);
     Tensor sS = make_tensor(make_smem_ptr(shared_tensors.smem_scale.data()), SmemLayoutScale{});
 
-    Tensor gAu = get<3>(load_inputs);
-    Tensor gB_nkl = get<1>(load_inputs);
-    Tensor gS_mkl = get<2>(load_inputs);
+    int32_t const e = get<5>(load_inputs);
+    int32_t const row0 = get<6>(load_inputs);
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    Tensor gA = local_tile(get<2>(load_inputs)(_, _, _, e), TileShapeA{}, make_coord(_0{}, _, m_coord));  // (256,8U,S,k)
+    Tensor gS = local_tile(get<3>(load_inputs)(_, _, e), make_shape(Int<TileM>{}, Int<Groups>{}),
+                           make_coord(m_coord, _));                                              // (BM,G,kg)
+    Tensor mB = domain_offset(make_coord(row0 + int32_t(n_coord) * TileN, 0, 0), get<4>(load_inputs));
+    Tensor gB = local_tile(mB(_, _, 0), make_shape(Int<TileN>{}, Int<TileK>{}), make_coord(0, _));  // (BN,BK,k)
     auto block_tma_a = p.tma_load_a.get_slice(0);
     auto block_tma_b = p.tma_load_b.get_slice(0);
     auto block_tma_s = p.tma_load_scale.get_slice(0);
-
-    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
-    Tensor gA = gAu(_, _, _, _, m_coord);                                  // (256, 8U, S, k)
-    Tensor gB = gB_nkl(_, _, n_coord, _, 0);
-    Tensor gS = gS_mkl(_, _, m_coord, _, 0);
+    Tensor tAgA = block_tma_a.partition_S(gA);
+    Tensor tAsA = block_tma_a.partition_D(sA);
     Tensor tBgB = block_tma_b.partition_S(gB);
     Tensor tBsB = block_tma_b.partition_D(sB);
     Tensor tSgS = block_tma_s.partition_S(gS);
@@ -342,10 +346,9 @@ struct Mxfp4MoeMainloop {
       int write_stage = smem_pipe_write.index();
       if (cute::elect_one_sync()) {
         int kt = *k_tile_iter;
-        copy(p.tma_load_a.with(get<0>(input_tensormaps), *tma_barrier, 0),
-             block_tma_a.partition_S(gA(_, _, _, kt)), block_tma_a.partition_D(sA(_, _, _, write_stage)));
-        copy(p.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, 0), tBgB(_, _, _, kt), tBsB(_, _, _, write_stage));
-        copy(p.tma_load_scale.with(get<2>(input_tensormaps), *tma_barrier, 0), tSgS(_, _, _, kt), tSsS(_, _, _, write_stage));
+        copy(p.tma_load_a.with(*tma_barrier, 0), tAgA(_, _, _, _, kt), tAsA(_, _, _, _, write_stage));
+        copy(p.tma_load_b.with(*tma_barrier, 0), tBgB(_, _, _, kt), tBsB(_, _, _, write_stage));
+        copy(p.tma_load_scale.with(*tma_barrier, 0), tSgS(_, _, _, kt), tSsS(_, _, _, write_stage));
       }
       ++k_tile_iter;
       ++smem_pipe_write;
@@ -525,74 +528,31 @@ struct Mxfp4MoeMainloop {
   }
 
   // ----------------------------------------------------------------------------------------
-  // Tensormap handling (per-SM descriptor copies in the workspace)
+  // Kernel-layer hooks of the ptr-array kernels. The descriptors never change (static, over all
+  // experts), so there is nothing to copy, replace or fence per group: only the expert index and
+  // its first act row, which load() reads from load_inputs.
   // ----------------------------------------------------------------------------------------
-  CUTLASS_DEVICE auto tensormaps_init(Params const& p, TensorMapStorage& shared_tensormaps,
-                                      int32_t sm_count, int32_t sm_idx) {
-    cute::TmaDescriptor* gmem_tensormap = reinterpret_cast<cute::TmaDescriptor*>(p.tensormaps);
-    cute::TmaDescriptor* tma_desc_a = &gmem_tensormap[sm_idx];
-    cute::TmaDescriptor* tma_desc_b = &gmem_tensormap[sm_idx + sm_count];
-    cute::TmaDescriptor* tma_desc_s = &gmem_tensormap[sm_idx + 2 * sm_count];
-    Tensor pA = make_tensor(p.tma_load_a.get_tma_descriptor(), Int<1>{}, Int<1>{});
-    Tensor sA = make_tensor(make_smem_ptr(&shared_tensormaps.smem_tensormap_A), Int<1>{}, Int<1>{});
-    Tensor pB = make_tensor(p.tma_load_b.get_tma_descriptor(), Int<1>{}, Int<1>{});
-    Tensor sB = make_tensor(make_smem_ptr(&shared_tensormaps.smem_tensormap_B), Int<1>{}, Int<1>{});
-    Tensor pS = make_tensor(p.tma_load_scale.get_tma_descriptor(), Int<1>{}, Int<1>{});
-    Tensor sS = make_tensor(make_smem_ptr(&shared_tensormaps.smem_tensormap_scale), Int<1>{}, Int<1>{});
-    if (cute::elect_one_sync()) {
-      copy(recast<uint128_t>(pA), recast<uint128_t>(sA));
-      copy(recast<uint128_t>(pB), recast<uint128_t>(sB));
-      copy(recast<uint128_t>(pS), recast<uint128_t>(sS));
-    }
-    __syncwarp();
-    return cute::make_tuple(tma_desc_a, tma_desc_b, tma_desc_s);
+  CUTLASS_DEVICE auto tensormaps_init(Params const&, TensorMapStorage&, int32_t, int32_t) {
+    return cute::make_tuple(nullptr);
   }
 
   template <class... TMs, class ProblemShape_MNKL>
-  CUTLASS_DEVICE void tensormaps_perform_update(TensorMapStorage& shared_tensormaps, Params const& p,
-                                                cute::tuple<TMs...> const&, ProblemShape_MNKL problem_shape_mnkl,
-                                                int32_t next_group) {
-    if (cute::elect_one_sync()) {
-      cute::tma_descriptor_replace_addr_in_shared_mem(shared_tensormaps.smem_tensormap_A,
-                                                      reinterpret_cast<uint8_t const*>(p.ptr_A[next_group]));
-      cute::tma_descriptor_replace_addr_in_shared_mem(shared_tensormaps.smem_tensormap_B, p.ptr_B[next_group]);
-      cute::tma_descriptor_replace_addr_in_shared_mem(shared_tensormaps.smem_tensormap_scale, p.ptr_S[next_group]);
-      // B: (rows_e, K_real) with this group's row stride
-      uint32_t const N = get<1>(problem_shape_mnkl);
-      cute::array<uint32_t, 5> shape_B = {1, 1, 1, 1, 1};
-      cute::array<uint64_t, 5> stride_B = {0, 0, 0, 0, 0};
-      ElementB const* ptr_B = nullptr;
-      Tensor tensor_b = make_tensor(ptr_B, make_layout(make_shape(int32_t(N), int32_t(p.k_real), int32_t(1)),
-                                                       p.ptr_dB[next_group]));
-      cute::detail::fill_tma_gmem_shape_stride(p.tma_load_b, tensor_b, shape_B, stride_B);
-      for (uint64_t& s : stride_B) { s = s * sizeof(ElementB); }
-      cute::tma_descriptor_replace_dims_strides_in_shared_mem(shared_tensormaps.smem_tensormap_B, shape_B, stride_B);
-    }
-  }
+  CUTLASS_DEVICE void tensormaps_perform_update(TensorMapStorage&, Params const&, cute::tuple<TMs...> const&,
+                                                ProblemShape_MNKL, int32_t) {}
 
   template <class... TMs>
-  CUTLASS_DEVICE void tensormaps_cp_fence_release(TensorMapStorage& shared_tensormaps,
-                                                  cute::tuple<TMs...> const& input_tensormaps) {
-    if (cute::elect_one_sync()) {
-      cute::tma_desc_commit_group();
-      cute::tma_desc_wait_group();
-    }
-    tma_descriptor_cp_fence_release(get<0>(input_tensormaps), shared_tensormaps.smem_tensormap_A);
-    tma_descriptor_cp_fence_release(get<1>(input_tensormaps), shared_tensormaps.smem_tensormap_B);
-    tma_descriptor_cp_fence_release(get<2>(input_tensormaps), shared_tensormaps.smem_tensormap_scale);
-  }
+  CUTLASS_DEVICE void tensormaps_cp_fence_release(TensorMapStorage&, cute::tuple<TMs...> const&) {}
 
   template <class... TMs>
-  CUTLASS_DEVICE void tensormaps_fence_acquire(cute::tuple<TMs...> const& input_tensormaps) {
-    cute::tma_descriptor_fence_acquire(get<0>(input_tensormaps));
-    cute::tma_descriptor_fence_acquire(get<1>(input_tensormaps));
-    cute::tma_descriptor_fence_acquire(get<2>(input_tensormaps));
-  }
+  CUTLASS_DEVICE void tensormaps_fence_acquire(cute::tuple<TMs...> const&) {}
 
   template <class InputTensors, class ProblemShape_MNKL>
-  CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const& input_tensors, Params const&,
-                                                     ProblemShape_MNKL, int32_t) {
-    return input_tensors;
+  CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const& input_tensors, Params const& p,
+                                                     ProblemShape_MNKL, int32_t next_group) {
+    InputTensors updated = input_tensors;
+    get<5>(updated) = next_group;
+    get<6>(updated) = p.offsets[next_group];
+    return updated;
   }
 };
 
