@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_cutlass as mc
 from moe_cutlass import _gemm, layout, ops
+from test_fused_moe import assert_close, random_experts, random_hidden, random_routing
 
 E, H, I, K = 8, 64, 32, 2
 
@@ -181,3 +182,120 @@ def test_select_experts_compiles_without_graph_breaks():
         assert torch.equal(ids, want_ids) and torch.allclose(weights, want_weights)
         compiles.append(counter.frame_count)
     assert compiles[0] >= 1 and compiles[-1] == compiles[0]  # no recompilation for a new M
+
+
+# ---- GPU: the real ops ----
+
+def gpu_case(M, variant, seed=0):
+    """(hidden, experts, weights, ids, options) on the GPU, fresh random data with distinct block scales."""
+    gen = torch.Generator("cuda").manual_seed(seed)
+    E_, H_, I_, k = 16, 256, 128, 4
+    experts = random_experts(E_, H_, I_, gen, bias=variant == "gpt_oss",
+                             gate_up="interleaved" if variant == "gpt_oss" else "concat")
+    x = random_hidden(M, H_, gen)
+    weights, ids = random_routing(M, E_, k, gen)
+    options = {"plain": {}, "gpt_oss": dict(activation="swiglu_oai", swiglu_alpha=1.702, swiglu_limit=7.0),
+               "deepseek": dict(swiglu_limit=10.0, routed_scaling_factor=2.5)}.get(variant, {})
+    if variant == "expert_map":  # 32 global experts, this rank holds the odd ones; int64 ids
+        expert_map = torch.full((2 * E_,), -1, dtype=torch.int32, device="cuda")
+        expert_map[1::2] = torch.arange(E_, dtype=torch.int32, device="cuda")
+        weights, ids = random_routing(M, 2 * E_, k, gen)
+        ids, options = ids.long(), dict(expert_map=expert_map)
+    if variant == "workspace":
+        options = dict(workspace=mc.allocate_workspace(M, k, experts))
+    return x, experts, weights, ids, options
+
+
+VARIANTS = ["plain", "gpt_oss", "deepseek", "expert_map", "workspace"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_opcheck(variant):
+    x, experts, weights, ids, options = gpu_case(37, variant)
+    args = ops.op_args(x, experts, weights, ids, options.get("activation", "silu"), options.get("swiglu_limit"),
+                       options.get("swiglu_alpha", 1.702), options.get("routed_scaling_factor", 1.0),
+                       options.get("expert_map"), options.get("workspace"))
+    torch.library.opcheck(torch.ops.moe_cutlass.fused_moe.default, args)
+    out = torch.empty(37, experts.hidden_size, dtype=torch.bfloat16, device="cuda")
+    torch.library.opcheck(torch.ops.moe_cutlass.fused_moe_out.default, (*args, out))
+
+
+class MoEBlock(torch.nn.Module):
+    """What an engine compiles: a module holding the experts, routing given by the caller."""
+
+    def __init__(self, experts, **options):
+        super().__init__()
+        self.experts, self.options = experts, options
+
+    def forward(self, x, weights, ids, out=None):
+        return mc.fused_moe(x, self.experts, weights, ids, out=out, **self.options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_compiled_module_equals_eager_bitwise(variant):
+    torch._dynamo.reset()
+    _, experts, _, _, options = gpu_case(64, variant)
+    block = MoEBlock(experts, **options)
+    compiled = torch.compile(block, fullgraph=True)
+    for seed, M in enumerate((64, 1, 7, 33)):  # a new M must not need a new trace per M
+        x, _, weights, ids, _ = gpu_case(M, "expert_map" if variant == "expert_map" else "plain", seed=seed + 1)
+        want = block(x, weights, ids)
+        assert torch.equal(compiled(x, weights, ids), want)
+        out = torch.full_like(want, float("nan"))
+        compiled(x, weights, ids, out=out)
+        assert torch.equal(out, want)
+        assert_close(want, mc.reference.fused_moe_float(x, experts, weights, ids, **{
+            k: v for k, v in options.items() if k != "workspace"}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["plain", "workspace"])
+def test_compiled_module_in_a_cuda_graph_replays_new_inputs(variant):
+    torch._dynamo.reset()
+    M = 48
+    x, experts, weights, ids, options = gpu_case(M, variant, seed=7)
+    block = MoEBlock(experts, **options)
+    compiled = torch.compile(block, fullgraph=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and size the buffers outside the capture
+        for _ in range(2):
+            compiled(x, weights, ids)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compiled(x, weights, ids)
+    for seed in (8, 9):
+        new_x, _, new_weights, new_ids, _ = gpu_case(M, "plain", seed=seed)
+        x.copy_(new_x)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, block(new_x, new_weights, new_ids))
+        assert_close(out, mc.reference.fused_moe_float(new_x, experts, new_weights, new_ids))
+
+
+class RoutedMoE(torch.nn.Module):
+    """Router + select_experts + the layer, compiled as one graph."""
+
+    def __init__(self, experts, top_k):
+        super().__init__()
+        self.experts, self.top_k = experts, top_k
+        self.router = torch.nn.Linear(experts.hidden_size, experts.num_experts, bias=False, device="cuda",
+                                      dtype=torch.bfloat16)
+
+    def forward(self, x):
+        weights, ids = mc.select_experts(self.router(x), self.top_k)
+        return mc.fused_moe(x, self.experts, weights, ids), weights, ids
+
+
+@pytest.mark.gpu
+def test_compiled_router_and_layer_match_the_reference():
+    torch._dynamo.reset()
+    x, experts, _, _, _ = gpu_case(100, "plain", seed=10)
+    compiled = torch.compile(RoutedMoE(experts, top_k=4), fullgraph=True)
+    out, weights, ids = compiled(x)
+    assert_close(out, mc.reference.fused_moe_float(x, experts, weights, ids))
