@@ -272,8 +272,8 @@ def _layer_args(args) -> dict:
 
 def _checked(args, out) -> dict:
     kw = _layer_args(args)
-    _check_weights(kw["experts"], kw["hidden_states"].device)
     check_args(**kw, out=out)
+    _check_weights(kw["experts"], kw["hidden_states"].device)
     return kw
 
 

@@ -134,6 +134,7 @@ def test_op_checks_the_sizes():
         args = fake_call()
         args.pop("out")
         args["experts"] = dataclasses.replace(args["experts"], hidden_size=48)
+        args["hidden_states"] = torch.empty(5, 48, dtype=torch.bfloat16, device="cuda")
         with pytest.raises(ValueError, match="hidden_size"):
             torch.ops.moe_cutlass.fused_moe(*ops.op_args(**args))
 
