@@ -172,11 +172,18 @@ def _prepare(blocks, scales, bias, rows):
     return out
 
 
+def prepared_shapes(E: int, N: int, K: int) -> dict:
+    """Shapes of the prepared tensors of E experts' [N, K] weights, by dict key."""
+    Np, Kp = round_up(N, ROW_PAD), round_up(K, K_PAD)
+    return {"blocks": (E, Np // UNIT_M, Kp // UNIT_K, 2048), "scales": (E, Kp // 32, Np), "bias": (E, Np)}
+
+
 def _unprepare(prepared, N, K, rows):
     blocks, scales = prepared["blocks"], prepared["scales"]
     E = blocks.shape[0]
     Np, Kp = round_up(N, ROW_PAD), round_up(K, K_PAD)
-    if tuple(blocks.shape) != (E, Np // UNIT_M, Kp // UNIT_K, 2048) or tuple(scales.shape) != (E, Kp // 32, Np):
+    shapes = prepared_shapes(E, N, K)
+    if tuple(blocks.shape) != shapes["blocks"] or tuple(scales.shape) != shapes["scales"]:
         raise ValueError(f"prepared tensors do not match N={N}, K={K}: blocks {tuple(blocks.shape)}, "
                          f"scales {tuple(scales.shape)}")
     out_blocks = torch.empty(E, N, K // 2, dtype=torch.uint8, device=blocks.device)
