@@ -2,7 +2,7 @@
 the tests and benchmarks/bench_gemm.py call the kernels through it.
 
     mc_sm90_<config>(w_blocks, w_scales, bias, act, expert_offsets, row_weights, out,
-                     E, N, K, activation, swiglu_alpha, swiglu_limit, workspace, workspace_bytes, stream)
+                     E, N, K, scale_max, activation, swiglu_alpha, swiglu_limit, workspace, workspace_bytes, stream)
 """
 
 import math
@@ -12,6 +12,7 @@ import torch
 from . import _lib
 
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+MAX_SCALE_BYTE = 255   # a prepared dict without scale_max takes the conversion exact for every byte
 GEMM1_CONFIG = "moe_gemm1_m128n32k128_coop"
 GEMM2_CONFIG = "moe_gemm2_m128n32k128_coop"
 
@@ -70,7 +71,8 @@ def run(config: str, prepared: dict, act: torch.Tensor, expert_offsets: torch.Te
     act_code = ACTIVATIONS[activation] if isinstance(activation, str) else int(activation)
     fn = _lib.library().function(f"mc_sm90_{config}")
     status = fn(_ptr(prepared["blocks"]), _ptr(prepared["scales"]), _ptr(prepared.get("bias")), _ptr(act),
-                _ptr(expert_offsets), _ptr(row_weights), _ptr(out), E, N, K, act_code, float(swiglu_alpha),
+                _ptr(expert_offsets), _ptr(row_weights), _ptr(out), E, N, K,
+                prepared.get("scale_max", MAX_SCALE_BYTE), act_code, float(swiglu_alpha),
                 limit, _ptr(ws), ws.numel(), stream)
     if check and status != 0:
         raise RuntimeError(f"mc_sm90_{config} failed: {_lib.library().error_string(status)} ({status})")

@@ -16,6 +16,11 @@ from .mxfp4 import dequantize_mxfp4
 GATE_UP_ORDERS = ("concat", "interleaved")
 
 
+def _map_tensors(fn, prepared: dict) -> dict:
+    """fn applied to the tensors of a prepared dict; its plain values (scale_max) are kept."""
+    return {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in prepared.items()}
+
+
 @dataclass(frozen=True)
 class PreparedExperts:
     """MXFP4 experts in kernel layout. Every tensor in `w13` and `w2` has the expert as dim 0."""
@@ -34,7 +39,7 @@ class PreparedExperts:
         return PreparedExperts(
             num_experts=self.num_experts, hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
-            w13={k: fn(v) for k, v in self.w13.items()}, w2={k: fn(v) for k, v in self.w2.items()})
+            w13=_map_tensors(fn, self.w13), w2=_map_tensors(fn, self.w2))
 
     def to(self, device) -> "PreparedExperts":
         return self._map(lambda t: t.to(device))
@@ -49,14 +54,19 @@ class PreparedExperts:
     def tensors(self) -> dict:
         """The prepared tensors by flat name (``w13_blocks``, ``w2_scales``, ...), as `MoELayer`
         holds them; `from_tensors` is the inverse."""
-        return {f"{part}_{key}": t for part, d in (("w13", self.w13), ("w2", self.w2)) for key, t in d.items()}
+        return {f"{part}_{key}": t for part, d in (("w13", self.w13), ("w2", self.w2))
+                for key, t in d.items() if isinstance(t, torch.Tensor)}
 
     @classmethod
-    def from_tensors(cls, num_experts, hidden_size, intermediate_size, tensors) -> "PreparedExperts":
+    def from_tensors(cls, num_experts, hidden_size, intermediate_size, tensors, like=None) -> "PreparedExperts":
+        """Inverse of `tensors`. The plain values (scale_max) come from `like`, experts holding the
+        same values (before a move), or else from the scales (a read back to the host)."""
         parts = {"w13": {}, "w2": {}}
         for name, t in tensors.items():
             part, key = name.split("_", 1)
             parts[part][key] = t
+        for part, d in parts.items():
+            d["scale_max"] = layout.scale_max(d["scales"]) if like is None else getattr(like, part)["scale_max"]
         return cls(num_experts, hidden_size, intermediate_size, parts["w13"], parts["w2"])
 
     @classmethod

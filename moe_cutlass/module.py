@@ -88,7 +88,7 @@ class MoELayer(nn.Module):
         self._expert_names = tuple(experts.tensors())
         for name, t in experts.tensors().items():
             self.register_buffer(name, t)
-        self._experts = experts  # rebuilt from the buffers after .to() and load_state_dict
+        self._experts = experts  # rebuilt over the buffers after .to() and load_state_dict
 
         def buffer(present, *shape):
             return torch.zeros(*shape, device=device) if present and router is not None else None
@@ -102,7 +102,7 @@ class MoELayer(nn.Module):
             # Route one zero token: select_experts' checks of top_k, groups and scoring, once.
             self.route(torch.zeros(1, hidden_size, device=device))
         self.register_load_state_dict_pre_hook(MoELayer._load_checkpoint_names)
-        self.register_load_state_dict_post_hook(MoELayer._forget_experts)
+        self.register_load_state_dict_post_hook(MoELayer._reload_experts)
 
     def _check_experts(self, experts, expert_bias):
         if not isinstance(experts, PreparedExperts):
@@ -115,11 +115,13 @@ class MoELayer(nn.Module):
     @property
     def experts(self) -> PreparedExperts:
         """The PreparedExperts the layer holds (this rank's share), over its buffers."""
-        if self._experts is None:
-            self._experts = PreparedExperts.from_tensors(
-                self.num_local_experts, self.hidden_size, self.local_intermediate_size,
-                {name: getattr(self, name) for name in self._expert_names})
         return self._experts
+
+    def _rebuild_experts(self, like=None):
+        # Built here, not per call: deriving scale_max reads the scales back to the host.
+        self._experts = PreparedExperts.from_tensors(
+            self.num_local_experts, self.hidden_size, self.local_intermediate_size,
+            {name: getattr(self, name) for name in self._expert_names}, like=like)
 
     def _apply(self, fn, recurse=True):
         # A model-wide cast (model.half(), model.to(torch.bfloat16)) must leave the prepared
@@ -128,11 +130,11 @@ class MoELayer(nn.Module):
         super()._apply(fn, recurse)
         for name, dtype in dtypes.items():
             self._buffers[name] = self._buffers[name].to(dtype)
-        self._experts = None
+        self._rebuild_experts(like=self._experts)  # moved and cast, the same values
         return self
 
-    def _forget_experts(self, incompatible_keys):
-        self._experts = None
+    def _reload_experts(self, incompatible_keys):
+        self._rebuild_experts()
 
     def route(self, hidden_states):
         """(topk_weights float32 [M, k], topk_ids int32 [M, k]) for hidden_states [M, H]."""

@@ -194,3 +194,13 @@ def test_module_on_gpu_runs_the_kernels():
     assert relative_error(out.cpu(), cpu(x.float(), topk_weights=weights, topk_ids=ids)) < 1e-2
     moved = cpu.to("cuda")
     assert torch.equal(moved(x.cuda(), topk_weights=weights.cuda(), topk_ids=ids.cuda()), out)
+
+
+def test_scale_max_follows_the_loaded_weights():
+    raw = random_layer(E, H, I, seed=16)
+    layer = mc.MoELayer(E, H, I, K)
+    assert layer.experts.w13["scale_max"] == 0
+    layer.load_state_dict({"router_weight": raw.router_weight} | raw.prepared().tensors())
+    assert layer.experts.w13["scale_max"] == int(raw.w13_scales.max())
+    assert layer.experts.w2["scale_max"] == int(raw.w2_scales.max())
+    assert layer.to(torch.bfloat16).experts.w2["scale_max"] == int(raw.w2_scales.max())

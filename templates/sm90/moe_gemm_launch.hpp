@@ -96,7 +96,7 @@ inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 template <class Cfg>
 inline typename Cfg::Gemm::Arguments make_args(int E, int sm_count, void* shapes, void const** pA, void const** pB,
                                                void const** pS, void* dA, void* dB, int m_pad, int k_pad, int k_real,
-                                               MoeEpilogueArguments const& epi) {
+                                               int scale_max, MoeEpilogueArguments const& epi) {
   typename Cfg::Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {E, reinterpret_cast<typename Cfg::UnderlyingShape*>(shapes), nullptr};
@@ -109,6 +109,7 @@ inline typename Cfg::Gemm::Arguments make_args(int E, int sm_count, void* shapes
   ml.m_pad = m_pad;
   ml.k_pad = k_pad;
   ml.k_real = k_real;
+  ml.scale_max = scale_max;
   args.mainloop = ml;
   args.epilogue = epi;
   args.hw_info.device_id = 0;
@@ -128,7 +129,7 @@ inline MoeWorkspaceLayout workspace_layout(int E, int sm_count) {
   L.dB = o; o = align_up(o + size_t(E) * sizeof(typename Cfg::StrideAB), 128);
   L.cutlass_ws = o;
   MoeEpilogueArguments epi{};
-  auto args = make_args<Cfg>(E, sm_count, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 128, 64, 64, epi);
+  auto args = make_args<Cfg>(E, sm_count, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 128, 64, 64, 255, epi);
   o = align_up(o + Cfg::Gemm::get_workspace_size(args), 128);
   L.total = o;
   return L;
@@ -158,7 +159,7 @@ inline size_t moe_gemm_workspace_size(int32_t E, int32_t num_sms) {
 struct MoeParamKey {
   int device;
   const void* ptrs[8];
-  int32_t E, N, K, activation;
+  int32_t E, N, K, scale_max, activation;
   float alpha, limit;
   size_t workspace_bytes;
 };
@@ -178,13 +179,14 @@ struct MoeParamCache {
 template <class Cfg, int Kind>
 inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float* bias, const void* act,
                         const int32_t* expert_offsets, const float* row_weights, void* out, int32_t E, int32_t N,
-                        int32_t K, int32_t activation, float swiglu_alpha, float swiglu_limit, void* workspace,
+                        int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha, float swiglu_limit, void* workspace,
                         size_t workspace_bytes, cudaStream_t stream) {
   constexpr int kInvalid = int(cudaErrorInvalidValue);
   if (E <= 0 || N <= 0 || K <= 0 || (K % 32) != 0 || (N % 32) != 0) return kInvalid;
   if (int64_t(N) * 2 >= (int64_t(1) << 31) || int64_t(K) >= (int64_t(1) << 24)) return kInvalid;
   if (!w_blocks || !w_scales || !act || !expert_offsets || !out || !workspace) return kInvalid;
   if (Kind == 2 && !row_weights) return kInvalid;
+  if (scale_max < 0 || scale_max > 255) return kInvalid;
   if (Kind == 1 && (activation < 0 || activation > 1)) return kInvalid;
   if (Kind == 1 && (N % 64) != 0) return kInvalid;     // N = 2I, I a multiple of 32
   if (std::isnan(swiglu_limit) || std::isnan(swiglu_alpha)) return kInvalid;
@@ -229,7 +231,7 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
   cudaGetDevice(&key.device);
   key.ptrs[0] = w_blocks; key.ptrs[1] = w_scales; key.ptrs[2] = bias; key.ptrs[3] = act;
   key.ptrs[4] = expert_offsets; key.ptrs[5] = row_weights; key.ptrs[6] = out; key.ptrs[7] = workspace;
-  key.E = E; key.N = N; key.K = K; key.activation = activation;
+  key.E = E; key.N = N; key.K = K; key.scale_max = scale_max; key.activation = activation;
   key.alpha = swiglu_alpha; key.limit = swiglu_limit; key.workspace_bytes = workspace_bytes;
 
   auto& cache = MoeParamCache<Cfg>::get();
@@ -243,7 +245,7 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
     }
   }
   if (!hit) {
-    auto args = make_args<Cfg>(E, sms, sa.shapes, sa.ptr_A, sa.ptr_B, sa.ptr_S, sa.dA, sa.dB, m_pad, k_pad, K, epi);
+    auto args = make_args<Cfg>(E, sms, sa.shapes, sa.ptr_A, sa.ptr_B, sa.ptr_S, sa.dA, sa.dB, m_pad, k_pad, K, scale_max, epi);
     typename Cfg::Gemm gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kInvalid;
     if (gemm.initialize(args, ws + L.cutlass_ws, stream) != cutlass::Status::kSuccess) return int(cudaErrorLaunchFailure);

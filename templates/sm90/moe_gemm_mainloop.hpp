@@ -17,9 +17,14 @@
 //     a silently wrong result when chunk_size=32 is given with device-only shapes). The scale
 //     tile is (TileM, TileK/32) uint8 E8M0 with M contiguous in gmem ([E][K/32][Npad]), loaded by
 //     TMA with the A/B tiles of the same stage. Every k-block picks its own 32-group scale.
-//  3. Conversion: custom e2m1 -> bf16 (prmt byte look-up tables, exact for all 16 codes), then a
-//     bf16x2 multiply by 2^(s-127) (bits s<<7; s=0 -> 0x0040, s=255 -> NaN). Upstream has no
-//     e2m1 fast path on SM90 (generic ~100 instr/value converter).
+//  3. Conversion: custom e2m1 -> bf16 by bit placement: the offline layout puts each code's bits
+//     where a mask (after a shift) turns them into the bf16 of value * 2^-126, and ONE bf16x2
+//     multiply by 2^(s-1) applies the E8M0 scale and fixes the exponent bias (6 LOP3 + 5 shifts +
+//     4 HMUL2 per 8 weights; the prmt look-up converter before it took 12-17 ALU instructions).
+//     Exact for scale bytes <= 128; a weight tensor holding a larger byte (known offline:
+//     layout.py's scale_max) runs the whole call on a two-multiply path (2^126, then 2^(s-127))
+//     that is exact for every byte, 255 giving NaN. No per-byte scale tests in the loop. Upstream
+//     has no e2m1 fast path on SM90 (generic ~100 instr/value converter).
 //  4. A and scale TMA descriptors have the same dims for every expert (known on the host), only
 //     their base addresses are replaced per group; B (tokens) gets dims (rows_e, K) per group,
 //     K being the REAL K (the weights are padded to Kp = roundup(K, 64) with zeros; TMA zero
@@ -61,68 +66,39 @@ using namespace cute;
 
 // ---------------------------------------------------------------------------------------------
 // e2m1 -> bf16 converter.
-// Input word layout (produced offline by layout.py, see _pack_word there):
-//   element v (0..7, the RS fragment value order) has its 3 magnitude bits at bits 4v..4v+2;
-//   sign of v<4 at bit 8v+7, sign of v>=4 at bit 8(v-4)+3.
-// Output: 4 bf16x2 registers (v0,v1) (v2,v3) (v4,v5) (v6,v7).
+// Input word layout (produced offline by layout.py, BIT_POS there): the 8 values v = 0..7 of one
+// k-block (RS fragment order); value v lives in 16-bit lane v & 1, and the values converted into
+// output register j have their (sign, e1, e0, m) bits at lane bits j0: 15,8,7,6; j1: 12,5,4,3;
+// j2: 9,2,1,0; j3: 14,11,10,13. Masking (after a shift) lands sign on bf16 bit 15, e1 e0 on
+// exponent bits 8..7 and m on mantissa bit 6, which is exactly the bf16 of the e2m1 value times
+// 2^-126 (code 0.5 becomes the subnormal 2^-127). One bf16x2 multiply by 2^(s-1) then applies
+// the E8M0 scale and the bias fix together (mc_scale_fast); all exact, and bf16 multiplies and
+// WGMMA keep subnormals (KERNEL_NOTES H.1). 6 LOP3 + 5 shifts per 8 weights, against 12-17 ALU
+// instructions for the prmt look-up tables this replaced.
+// Output: 4 bf16x2 registers (v0,v1) (v2,v3) (v4,v5) (v6,v7), each times 2^-126.
 // ---------------------------------------------------------------------------------------------
-CUTLASS_DEVICE uint32_t mc_prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
+CUTLASS_DEVICE void mc_e2m1x8_to_bf16(uint32_t q, uint32_t (&out)[4]) {
+  constexpr uint32_t kMask = 0x81C081C0u;   // sign, exponent bits 1..0, mantissa bit 6, per lane
+  out[0] = q & kMask;
+  out[1] = (q << 3) & kMask;
+  out[2] = (q << 6) & kMask;
+  out[3] = ((q >> 7) & 0x00400040u) | ((q >> 3) & 0x01800180u) | ((q << 1) & 0x80008000u);
 }
 
-// bf16 of magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}: high bytes {00,3F,3F,3F,40,40,40,40},
-// low bytes {00,00,80,C0,00,40,80,C0}. Set once per mainloop call. As constants (set through
-// asm) ptxas keeps them in uniform registers and copies two of them into R before every prmt
-// (~5 extra SASS instructions per 8 weights); PerThread ORs in tid.x >> 16 (always 0, blocks
-// have <= 1024 threads), which makes them per-thread values it neither folds nor re-copies. That
-// wins 4-8% on the converter-bound small-N tiles but cost the 128-token GEMM2 ~4% (register
-// pressure; bench_20261129T131109Z_gemm.json vs bench_20261129T124329Z_gemm.json), hence the
-// choice per tile.
-struct Mxfp4Lut {
-  uint32_t hi0, hi1, lo0, lo1;
-  template <bool PerThread>
-  CUTLASS_DEVICE static Mxfp4Lut make() {
-    Mxfp4Lut l;
-    if constexpr (PerThread) {
-      uint32_t z;
-      asm volatile("{ .reg .u32 t; mov.u32 t, %%tid.x; shr.u32 %0, t, 16; }" : "=r"(z));
-      l.hi0 = 0x3F3F3F00u | z;
-      l.hi1 = 0x40404040u | z;
-      l.lo0 = 0xC0800000u | z;
-      l.lo1 = 0xC0804000u | z;
-    } else {
-      asm volatile("mov.b32 %0, 0x3F3F3F00;" : "=r"(l.hi0));
-      asm volatile("mov.b32 %0, 0x40404040;" : "=r"(l.hi1));
-      asm volatile("mov.b32 %0, 0xC0800000;" : "=r"(l.lo0));
-      asm volatile("mov.b32 %0, 0xC0804000;" : "=r"(l.lo1));
-    }
-    return l;
-  }
-};
+// Scale bytes s <= 128 (layout.FAST_SCALE_MAX): bf16x2 of 2^(s-1) in both halves, bits (s+126) << 7,
+// one IMAD; 2^-126 * 2^(s-1) * value = value * 2^(s-127) exactly.
+CUTLASS_DEVICE uint32_t mc_scale_fast(uint32_t s) { return s * 0x00800080u + 0x3F003F00u; }
 
-CUTLASS_DEVICE void mc_e2m1x8_to_bf16(uint32_t q, uint32_t (&out)[4], Mxfp4Lut const& lut) {
-  uint32_t const kHi0 = lut.hi0, kHi1 = lut.hi1, kLo0 = lut.lo0, kLo1 = lut.lo1;
-  uint32_t m  = q & 0x77777777u;
-  uint32_t m2 = m >> 16;
-  uint32_t h0 = mc_prmt(kHi0, kHi1, m)  | (q & 0x80808080u);
-  uint32_t h1 = mc_prmt(kHi0, kHi1, m2) | ((q << 4) & 0x80808080u);
-  uint32_t l0 = mc_prmt(kLo0, kLo1, m);
-  uint32_t l1 = mc_prmt(kLo0, kLo1, m2);
-  out[0] = mc_prmt(l0, h0, 0x5140u);
-  out[1] = mc_prmt(l0, h0, 0x7362u);
-  out[2] = mc_prmt(l1, h1, 0x5140u);
-  out[3] = mc_prmt(l1, h1, 0x7362u);
-}
-
-// E8M0 byte -> bf16x2 (both halves) of 2^(s-127), exact.
+// Any byte: bf16x2 of 2^(s-127) (s=0 -> 0x0040, a subnormal; s=255 -> NaN), applied after a first
+// multiply by 2^126 (kUnbias) has made the converted value exact and normal.
 CUTLASS_DEVICE uint32_t mc_e8m0_to_bf16x2(uint32_t s) {
   uint32_t b = s << 7;
   b = (s == 0u) ? 0x0040u : b;
   b = (s == 255u) ? 0x7FC0u : b;
   return b | (b << 16);
 }
+constexpr uint32_t kUnbias = 0x7E807E80u;   // bf16x2 of 2^126
+constexpr int kFastScaleMax = 128;          // = layout.FAST_SCALE_MAX
 
 CUTLASS_DEVICE uint32_t mc_mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t d;
@@ -228,6 +204,7 @@ struct Mxfp4MoeMainloop {
     int m_pad = 0;                 // Npad: weight rows (and scale row stride), multiple of TileM
     int k_pad = 0;                 // Kp: padded K of the weights (multiple of 64)
     int k_real = 0;                // K of the activations
+    int scale_max = 255;           // largest scale byte of the weights (layout.py's scale_max)
   };
 
   using TmaElementA = uint8_t;
@@ -261,6 +238,7 @@ struct Mxfp4MoeMainloop {
     int m_pad;
     int k_pad;
     int k_real;
+    int slow_scales;               // some scale byte > kFastScaleMax: the two-multiply conversion
   };
 
   template <class ProblemShape>
@@ -288,7 +266,7 @@ struct Mxfp4MoeMainloop {
       TmaTransactionBytes,
       workspace,
       args.ptr_A, args.ptr_B, args.ptr_S, args.dB,
-      args.m_pad, args.k_pad, args.k_real};
+      args.m_pad, args.k_pad, args.k_real, int(args.scale_max > kFastScaleMax)};
     return p;
   }
 
@@ -413,39 +391,26 @@ struct Mxfp4MoeMainloop {
     int const slab = warp_group_idx;                                      // 64-row slab of the tile
     int const a_off = slab * 2048 * UnitsPerTile + wg_thread * 16;         // conflict-free 128-bit loads
     int const row0 = slab * 64 + (wg_thread / 32) * 16 + (wg_thread % 32) / 4;   // rows row0, row0+8
-    Mxfp4Lut const lut = Mxfp4Lut::make<(TileN <= 32)>();
 
-    // Loads stage `stage` (A words + scales) and converts the whole k tile into `frag`.
-    auto convert_tile = [&](int stage, auto& frag) {
+    // Loads stage `stage` (A words + scales) and converts the whole k tile into `frag`. The scale
+    // path is fixed per weight tensor (one branch per call, around the whole k loop; no per-byte
+    // tests): kSlow multiplies twice.
+    auto convert_tile = [&](auto slow, int stage, auto& frag) {
+      constexpr bool kSlow = decltype(slow)::value;
       uint32_t words[KBlocks];
       CUTLASS_PRAGMA_UNROLL
       for (int u = 0; u < UnitsPerTile; ++u) {
         uint4 v = *reinterpret_cast<uint4 const*>(sA_bytes + stage * TmaBytesA + a_off + u * 2048);
         words[4 * u + 0] = v.x; words[4 * u + 1] = v.y; words[4 * u + 2] = v.z; words[4 * u + 3] = v.w;
       }
-      // E8M0 -> bf16x2: bits (s << 7) in both halves = s * 0x00800080 (one IMAD); the rare bytes
-      // 0 (2^-127, a bf16 subnormal) and 255 (NaN) take the exact slow path, detected through the
-      // tile's min and max byte (2 instructions per byte; a per-byte ==0 / ==255 test took 3).
-      uint32_t sb[Groups][2];
       uint32_t sc[Groups][2];
-      uint32_t smin = 255u, smax = 0u;
       CUTLASS_PRAGMA_UNROLL
       for (int g = 0; g < Groups; ++g) {
         uint8_t const* sp = sS_bytes + stage * TmaBytesS + g * TileM + row0;
-        sb[g][0] = sp[0];
-        sb[g][1] = sp[8];
         CUTLASS_PRAGMA_UNROLL
         for (int h = 0; h < 2; ++h) {
-          sc[g][h] = sb[g][h] * 0x00800080u;
-          smin = min(smin, sb[g][h]);
-          smax = max(smax, sb[g][h]);
-        }
-      }
-      if (smin == 0u || smax == 255u) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int g = 0; g < Groups; ++g) {
-          sc[g][0] = mc_e8m0_to_bf16x2(sb[g][0]);
-          sc[g][1] = mc_e8m0_to_bf16x2(sb[g][1]);
+          uint32_t const sb = sp[8 * h];
+          sc[g][h] = kSlow ? mc_e8m0_to_bf16x2(sb) : mc_scale_fast(sb);
         }
       }
       Tensor frag_u32 = recast<uint32_t>(frag);                          // (4,1,KBlocks)
@@ -458,7 +423,11 @@ struct Mxfp4MoeMainloop {
         frag_u32(3, 0, kb) = words[kb];
 #else
         uint32_t f[4];
-        mc_e2m1x8_to_bf16(words[kb], f, lut);
+        mc_e2m1x8_to_bf16(words[kb], f);
+        if constexpr (kSlow) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < 4; ++i) f[i] = mc_mul_bf16x2(f[i], kUnbias);
+        }
         uint32_t const s0 = sc[kb / 2][0], s1 = sc[kb / 2][1];
         frag_u32(0, 0, kb) = mc_mul_bf16x2(f[0], s0);
         frag_u32(1, 0, kb) = mc_mul_bf16x2(f[1], s1);
@@ -467,7 +436,6 @@ struct Mxfp4MoeMainloop {
 #endif
       }
     };
-
     // Software pipeline over k tiles with two A register sets: the GMMAs of tile t (set t%2)
     // run while tile t+1 is loaded and converted into the other set; then wait<0> and release
     // tile t's stage. In-flight GMMAs never read registers being written (no C7513
@@ -485,54 +453,61 @@ struct Mxfp4MoeMainloop {
     warpgroup_fence_operand(accum);
     if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
     if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
-    {
-      auto token = pipeline.consumer_try_wait(smem_pipe_read);
-      pipeline.consumer_wait(smem_pipe_read, token);
-      convert_tile(smem_pipe_read.index(), tCrA0);
-    }
-    auto step = [&](auto& frag_now, auto& frag_next) {
-      int const stage = smem_pipe_read.index();
-      warpgroup_fence_operand(frag_now);
-      warpgroup_fence_operand(accum);
-      if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
-      if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
-      warpgroup_arrive();
-      CUTLASS_PRAGMA_UNROLL
-      for (int kb = 0; kb < KBlocks; ++kb) {
-#ifdef MC_PROBE_NO_MMA   // development probe only: the pipeline without tensor-core work
-        if (kb >= 0) continue;
-#endif
-        if (kb % NumAcc == 0) {
-          cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), accum);
-        } else if (kb % NumAcc == 1) {
-          cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc1);
-        } else if (kb % NumAcc == 2) {
-          cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc2);
-        } else {
-          cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc3);
-        }
-      }
-      warpgroup_commit_batch();
-      ++smem_pipe_read;
-      if (k_tile_count > 1) {
+    auto run = [&](auto slow) {
+      {
         auto token = pipeline.consumer_try_wait(smem_pipe_read);
         pipeline.consumer_wait(smem_pipe_read, token);
-        convert_tile(smem_pipe_read.index(), frag_next);
+        convert_tile(slow, smem_pipe_read.index(), tCrA0);
       }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(accum);
-      if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
-      if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
-      pipeline.consumer_release(smem_pipe_release);
-      ++smem_pipe_release;
-      --k_tile_count;
+      auto step = [&](auto& frag_now, auto& frag_next) {
+        int const stage = smem_pipe_read.index();
+        warpgroup_fence_operand(frag_now);
+        warpgroup_fence_operand(accum);
+        if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
+        if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
+        warpgroup_arrive();
+        CUTLASS_PRAGMA_UNROLL
+        for (int kb = 0; kb < KBlocks; ++kb) {
+#ifdef MC_PROBE_NO_MMA   // development probe only: the pipeline without tensor-core work
+          if (kb >= 0) continue;
+#endif
+          if (kb % NumAcc == 0) {
+            cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), accum);
+          } else if (kb % NumAcc == 1) {
+            cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc1);
+          } else if (kb % NumAcc == 2) {
+            cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc2);
+          } else {
+            cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc3);
+          }
+        }
+        warpgroup_commit_batch();
+        ++smem_pipe_read;
+        if (k_tile_count > 1) {
+          auto token = pipeline.consumer_try_wait(smem_pipe_read);
+          pipeline.consumer_wait(smem_pipe_read, token);
+          convert_tile(slow, smem_pipe_read.index(), frag_next);
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(accum);
+        if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
+        if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
+        pipeline.consumer_release(smem_pipe_release);
+        ++smem_pipe_release;
+        --k_tile_count;
+      };
+      CUTLASS_PRAGMA_NO_UNROLL
+      while (true) {
+        step(tCrA0, tCrA1);
+        if (k_tile_count == 0) break;
+        step(tCrA1, tCrA0);
+        if (k_tile_count == 0) break;
+      }
     };
-    CUTLASS_PRAGMA_NO_UNROLL
-    while (true) {
-      step(tCrA0, tCrA1);
-      if (k_tile_count == 0) break;
-      step(tCrA1, tCrA0);
-      if (k_tile_count == 0) break;
+    if (p.slow_scales) {
+      run(cute::true_type{});
+    } else {
+      run(cute::false_type{});
     }
     if constexpr (NumAcc == 2) {
       CUTLASS_PRAGMA_UNROLL
