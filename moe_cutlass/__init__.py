@@ -2,17 +2,19 @@
 and BF16 activations, built on CUTLASS grouped GEMMs.
 
 Import works without a GPU: the MXFP4 helpers, `prepare_experts`, `select_experts` and the
-float32 `reference` layer run on the CPU; `fused_moe` needs an SM90 GPU and the built library
-(`python -m codegen --arch sm90`).
+float32 `reference` layer run on the CPU (and so does `MoELayer`, through the reference);
+`fused_moe` needs an SM90 GPU and the built library (`python -m codegen --arch sm90`).
 """
 from . import reference
-from .experts import PreparedExperts, prepare_experts
+from .experts import PreparedExperts, prepare_experts, stack_experts
 from .layer import fused_moe
+from .module import MoELayer
 from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from .routing import select_experts
 from .workspace import Workspace, allocate_workspace, free_workspaces, workspace_size
 
 __all__ = [
+    "MoELayer",
     "PreparedExperts",
     "Workspace",
     "allocate_workspace",
@@ -23,5 +25,6 @@ __all__ = [
     "quantize_mxfp4",
     "reference",
     "select_experts",
+    "stack_experts",
     "workspace_size",
 ]

@@ -134,14 +134,22 @@ def _unswizzle_codes(blocks: torch.Tensor) -> torch.Tensor:
     return units.view(E, S, U, UNIT_M, UNIT_K).permute(0, 1, 3, 2, 4).reshape(E, Np, Kp)
 
 
+def scale_max(scales: torch.Tensor) -> int:
+    """A prepared dict's ``scale_max`` from its scales (original or prepared: padding is 0).
+    Reads the tensor back to the host."""
+    return int(scales.max()) if scales.numel() else 0
+
+
 def _chunks(E: int, per_expert: int, limit: int = 1 << 26):
     step = max(1, limit // max(1, per_expert))
     for e0 in range(0, E, step):
         yield e0, min(E, e0 + step)
 
 
-def _prepare(blocks, scales, bias, rows):
-    """rows: int64 [N] kernel row -> original row, or None for the identity."""
+def _prepare(blocks, scales, bias, rows, device=None):
+    """rows: int64 [N] on `device`, kernel row -> original row, or None for the identity. The output goes to
+    `device` (default: the inputs'); the inputs are read a chunk of experts at a time, so besides
+    them and the output only one chunk is ever held (on `device`)."""
     if blocks.dim() == 4:
         blocks = blocks.reshape(*blocks.shape[:2], -1)
     E, N, half = blocks.shape
@@ -151,24 +159,22 @@ def _prepare(blocks, scales, bias, rows):
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise TypeError("blocks and scales must be uint8")
     Np, Kp = round_up(N, ROW_PAD), round_up(K, K_PAD)
-    dev = blocks.device
-    if rows is not None:
-        blocks = blocks.index_select(1, rows)
-        scales = scales.index_select(1, rows)
-        if bias is not None:
-            bias = bias.index_select(1, rows)
+    dev = blocks.device if device is None else torch.device(device)
     out_blocks = torch.empty(E, Np // UNIT_M, Kp // UNIT_K, 2048, dtype=torch.uint8, device=dev)
-    for e0, e1 in _chunks(E, Np * Kp):
-        codes = torch.zeros(e1 - e0, Np, Kp, dtype=torch.uint8, device=dev)
-        codes[:, :N, :K] = _unpack_codes(blocks[e0:e1])
-        out_blocks[e0:e1] = _swizzle_codes(codes)
     out_scales = torch.zeros(E, Kp // 32, Np, dtype=torch.uint8, device=dev)
-    out_scales[:, : K // 32, :N] = scales.transpose(1, 2)
-    out = {"blocks": out_blocks, "scales": out_scales, "scale_max": int(scales.max()) if scales.numel() else 0}
+    out = {"blocks": out_blocks, "scales": out_scales, "scale_max": scale_max(scales)}
     if bias is not None:
-        b = torch.zeros(E, Np, dtype=torch.float32, device=dev)
-        b[:, :N] = bias.float()
-        out["bias"] = b
+        out["bias"] = torch.zeros(E, Np, dtype=torch.float32, device=dev)
+    for e0, e1 in _chunks(E, Np * Kp):
+        part = [None if t is None else t[e0:e1].to(dev) for t in (blocks, scales, bias)]
+        if rows is not None:
+            part = [None if t is None else t.index_select(1, rows) for t in part]
+        codes = torch.zeros(e1 - e0, Np, Kp, dtype=torch.uint8, device=dev)
+        codes[:, :N, :K] = _unpack_codes(part[0])
+        out_blocks[e0:e1] = _swizzle_codes(codes)
+        out_scales[e0:e1, : K // 32, :N] = part[1].transpose(1, 2)
+        if bias is not None:
+            out["bias"][e0:e1, :N] = part[2].float()
     return out
 
 
@@ -203,22 +209,24 @@ def _unprepare(prepared, N, K, rows):
     return out_blocks, out_scales, bias
 
 
-def prepare_w13(blocks, scales, bias=None, gate_up="concat") -> dict:
+def prepare_w13(blocks, scales, bias=None, gate_up="concat", device=None) -> dict:
     """W13 (gate + up) blocks uint8 [E, 2I, H/2] (or [E, 2I, H/32, 16]), scales uint8
-    [E, 2I, H/32], bias [E, 2I] or None -> prepared dict (see the module docstring)."""
+    [E, 2I, H/32], bias [E, 2I] or None -> prepared dict (see the module docstring) on `device`
+    (default: the inputs')."""
     if gate_up not in GATE_UP_ORDERS:
         raise ValueError(f"gate_up: expected one of {GATE_UP_ORDERS}, got {gate_up!r}")
     two_i = blocks.shape[1]
     if two_i % 2 or (two_i // 2) % 8:
         raise ValueError(f"w13: 2I = {two_i} rows, I must be a multiple of 8 (32 for the kernels)")
-    rows = _rows_w13(two_i // 2, gate_up, blocks.device)
-    return _prepare(blocks, scales, bias, rows)
+    rows = _rows_w13(two_i // 2, gate_up, blocks.device if device is None else device)
+    return _prepare(blocks, scales, bias, rows, device)
 
 
-def prepare_w2(blocks, scales, bias=None) -> dict:
+def prepare_w2(blocks, scales, bias=None, device=None) -> dict:
     """W2 (down) blocks uint8 [E, H, I/2] (or [E, H, I/32, 16]), scales uint8 [E, H, I/32],
-    bias [E, H] or None -> prepared dict (see the module docstring)."""
-    return _prepare(blocks, scales, bias, None)
+    bias [E, H] or None -> prepared dict (see the module docstring) on `device` (default: the
+    inputs')."""
+    return _prepare(blocks, scales, bias, None, device)
 
 
 def unprepare_w13(prepared: dict, H: int, I: int):

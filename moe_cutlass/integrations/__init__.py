@@ -1,0 +1,1 @@
+"""Adapters that put MoELayer into other libraries' models (`transformers`)."""
