@@ -10,6 +10,22 @@ import moe_cutlass as mc
 MAX_RELERR = 1e-2  # DESIGN.md section 2
 
 
+class StandInExperts:
+    """The slice of PreparedExperts the reference relies on, over plain float weights."""
+
+    def __init__(self, w13, w2, b13=None, b2=None):
+        self.num_experts, two_i, self.hidden_size = w13.shape
+        self.intermediate_size = two_i // 2
+        self._weights = (w13, w2, b13, b2)
+
+    def select(self, expert_ids):
+        picked = [None if w is None else w[list(expert_ids)] for w in self._weights]
+        return StandInExperts(*picked)
+
+    def dequantized(self):
+        return self._weights
+
+
 def random_mxfp4(E, N, K, gen):
     # Scales differ from block to block: a kernel applying one scale per tile must fail.
     blocks = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device=gen.device, generator=gen)
