@@ -5,10 +5,13 @@ usage: python -m benchmarks.bench_moe [--configs a,b] [--ms 1,4,...] [--reps 100
 The floor of one layer = max(MXFP4 bytes of the active experts' weights (4.25 bits/weight) plus
 activations in and out / copy bandwidth, 2*M*k*3*H*I / BF16 matmul rate), both ceilings
 measured in this run. Decode-size and prefill-size calls are timed as CUDA-graph replay and
-eagerly; the L2 is flushed before every rep; the median of --reps reps is reported.
+eagerly; the L2 is flushed before every rep; the median of --reps reps is reported. Eager rows
+up to HOST_MAX_TOKENS also give the host time of one call ("host_us": a plain call that allocates
+its output, "host_us_out": with out=), the Python and launch cost an engine pays per layer.
 """
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -24,6 +27,8 @@ CONFIGS = {
 }
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 RELERR_MAX_TOKENS = 1024  # the float32 reference is slow past this
+HOST_MAX_TOKENS = 64  # host time matters where the GPU time is small: decode
+HOST_BURST, HOST_BURSTS = 50, 4
 
 
 class Timer:
@@ -45,6 +50,22 @@ class Timer:
             end.record()
         torch.cuda.synchronize()
         return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+
+def host_us(fn):
+    """Median host time of one call (time.perf_counter around it) in a tight loop without
+    synchronization. Bursts of HOST_BURST calls, with an untimed sync between them, keep the launch
+    queue from filling up, which would make a call wait for the GPU and time the GPU instead."""
+    fn()
+    times = []
+    for _ in range(HOST_BURSTS):
+        torch.cuda.synchronize()
+        for _ in range(HOST_BURST):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
 
 
 def measure_floors(timer):
@@ -117,10 +138,15 @@ def bench_config(name, tokens, timer, floors, gen):
         graph = graph_of(run)
         for mode, fn in (("graph", graph.replay), ("eager", run)):
             us = timer.median_us(fn)
-            rows.append({"impl": "moe_cutlass", "config": name, "M": M, "mode": mode, "us": us,
-                         "floor_us": floor, "x_floor": us / floor, "relerr": relerr})
+            row = {"impl": "moe_cutlass", "config": name, "M": M, "mode": mode, "us": us,
+                   "floor_us": floor, "x_floor": us / floor, "relerr": relerr}
+            if mode == "eager" and M <= HOST_MAX_TOKENS:
+                row["host_us"] = host_us(lambda: mc.fused_moe(x, experts, weights, ids))
+                row["host_us_out"] = host_us(run)
+            rows.append(row)
+            host = f"  host {row['host_us']:.1f} us (out= {row['host_us_out']:.1f})" if "host_us" in row else ""
             print(f"{name:14s} M={M:6d} {mode:5s} {us:9.1f} us  floor {floor:8.1f} us  "
-                  f"x{us / floor:5.2f}  relerr {relerr if relerr is None else f'{relerr:.1e}'}", flush=True)
+                  f"x{us / floor:5.2f}  relerr {relerr if relerr is None else f'{relerr:.1e}'}{host}", flush=True)
         del graph
     return rows
 

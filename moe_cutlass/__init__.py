@@ -10,13 +10,18 @@ from .experts import PreparedExperts, prepare_experts
 from .layer import fused_moe
 from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from .routing import select_experts
+from .workspace import Workspace, allocate_workspace, free_workspaces, workspace_size
 
 __all__ = [
     "PreparedExperts",
+    "Workspace",
+    "allocate_workspace",
     "dequantize_mxfp4",
+    "free_workspaces",
     "fused_moe",
     "prepare_experts",
     "quantize_mxfp4",
     "reference",
     "select_experts",
+    "workspace_size",
 ]

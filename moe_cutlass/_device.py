@@ -59,7 +59,7 @@ def device_info(index: int) -> DeviceInfo:
     )
 
 
-def _index(device) -> int:
+def device_index(device) -> int:
     """A torch.device, 'cuda:N' string or int -> the CUDA device index."""
     if isinstance(device, int) and not isinstance(device, bool):
         return device
@@ -72,12 +72,12 @@ def _index(device) -> int:
 
 
 def sm_count(device) -> int:
-    return device_info(_index(device)).sm_count
+    return device_info(device_index(device)).sm_count
 
 
 def require_sm90(device) -> DeviceInfo:
     """Raises unless `device` is an SM90 (Hopper) GPU: the kernels are built for sm_90a only."""
-    info = device_info(_index(device))
+    info = device_info(device_index(device))
     if info.capability != (9, 0):
         major, minor = info.capability
         raise RuntimeError(

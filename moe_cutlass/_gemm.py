@@ -2,9 +2,10 @@
 the tests and benchmarks/bench_gemm.py call the kernels through it.
 
     mc_sm90_<config>(w_blocks, w_scales, bias, act, expert_offsets, row_weights, out,
-                     E, N, K, activation, swiglu_alpha, swiglu_limit, workspace, workspace_bytes, stream)
+                     E, N, K, scale_max, activation, swiglu_alpha, swiglu_limit, workspace, workspace_bytes, stream)
 """
 
+import functools
 import math
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from . import _lib
 
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+MAX_SCALE_BYTE = 255   # a prepared dict without scale_max takes the conversion exact for every byte
 GEMM1_CONFIG = "moe_gemm1_m128n32k128_coop"
 GEMM2_CONFIG = "moe_gemm2_m128n32k128_coop"
 
@@ -41,6 +43,21 @@ def pick_config(kind: int, rows: int, num_experts: int, available=None) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=None)
+def configs_of(kind: int) -> tuple:
+    """The GEMM<kind> configs the built library holds."""
+    configs = tuple(k for k in _lib.library().kernels if k.startswith(f"moe_gemm{kind}_"))
+    if not configs:
+        raise RuntimeError(f"the kernel library holds no GEMM{kind} instantiation; rebuild it with "
+                           f"`python -m codegen --arch sm90`")
+    return configs
+
+
+def function(config: str):
+    """The ctypes function that launches `config`."""
+    return _lib.library().function(f"mc_sm90_{config}")
+
+
 def workspace_size(config: str, num_experts: int, device=None) -> int:
     device = torch.device(device if device is not None else "cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -66,12 +83,20 @@ def run(config: str, prepared: dict, act: torch.Tensor, expert_offsets: torch.Te
         ws = workspace(config, E, act.device)
     if stream is None:
         stream = torch.cuda.current_stream(act.device).cuda_stream
-    limit = math.inf if swiglu_limit is None else float(swiglu_limit)
     act_code = ACTIVATIONS[activation] if isinstance(activation, str) else int(activation)
-    fn = _lib.library().function(f"mc_sm90_{config}")
-    status = fn(_ptr(prepared["blocks"]), _ptr(prepared["scales"]), _ptr(prepared.get("bias")), _ptr(act),
-                _ptr(expert_offsets), _ptr(row_weights), _ptr(out), E, N, K, act_code, float(swiglu_alpha),
-                limit, _ptr(ws), ws.numel(), stream)
+    status = launch(function(config), prepared, act.data_ptr(), act.shape[0], expert_offsets.data_ptr(), _ptr(row_weights),
+                    out.data_ptr(), E, N, K, ws.data_ptr(), ws.numel(), stream, act_code, swiglu_alpha, swiglu_limit)
     if check and status != 0:
         raise RuntimeError(f"mc_sm90_{config} failed: {_lib.library().error_string(status)} ({status})")
     return status
+
+
+def launch(fn, prepared: dict, act: int, act_rows: int, expert_offsets: int, row_weights, out: int, E: int, N: int,
+           K: int, ws: int, ws_bytes: int, stream: int, activation=0, swiglu_alpha=1.702, swiglu_limit=None) -> int:
+    """`run` on data pointers (fn from `function`), for the layer: nothing but the C call; returns its status.
+    act_rows: the rows the act buffer holds (its TMA descriptor's extent; the same value every call
+    keeps the host's cached descriptors)."""
+    limit = math.inf if swiglu_limit is None else float(swiglu_limit)
+    return fn(prepared["blocks"].data_ptr(), prepared["scales"].data_ptr(), _ptr(prepared.get("bias")), act, act_rows,
+              expert_offsets, row_weights, out, E, N, K, prepared.get("scale_max", MAX_SCALE_BYTE), activation,
+              float(swiglu_alpha), limit, ws, ws_bytes, stream)

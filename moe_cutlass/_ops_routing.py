@@ -1,12 +1,12 @@
 """torch ops over the routing kernels: moe_cutlass::expand and moe_cutlass::finalize.
 
-Both write into tensors the caller passes (declared in mutates_args), so a layer can
-allocate RoutingBuffers once for its largest batch and reuse views of them: no memory is
-allocated per call, nothing is read back to the host, and both ops can be captured in a
-CUDA graph. Arguments are validated before anything is launched.
+Both write into tensors the caller passes (declared in mutates_args), so a caller can
+allocate them once for its largest batch and reuse views of them: no memory is allocated
+per call, nothing is read back to the host, and both ops can be captured in a CUDA graph.
+Arguments are validated before anything is launched. (fused_moe calls the same kernels
+without the dispatcher, on buffers carved from its workspace: moe_cutlass/ops.py.)
 """
 
-from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -95,13 +95,6 @@ def expand(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     _check_expand(hidden, topk_ids, topk_weights, expert_map, num_experts, expert_counts, expert_offsets,
                   sorted_slots, slot_to_row, gathered, row_weights, workspace)
     _check_aligned(hidden=hidden, gathered=gathered)
-    _launch_expand(hidden, topk_ids, topk_weights, expert_map, num_experts, expert_counts, expert_offsets,
-                   sorted_slots, slot_to_row, gathered, row_weights, workspace)
-
-
-def _launch_expand(hidden, topk_ids, topk_weights, expert_map, num_experts, expert_counts, expert_offsets,
-                   sorted_slots, slot_to_row, gathered, row_weights, workspace):
-    """expand without the argument checks (the caller made them)."""
     M, k = topk_ids.shape
     if M == 0:  # nothing to sort: the counts and offsets are zeros
         expert_counts.zero_()
@@ -151,12 +144,6 @@ def finalize(rows: torch.Tensor, slot_to_row: torch.Tensor, top_k: int, routed_s
     slots < 0 skipped; a token with no kept slot gets zeros), out [M, H] bf16, rows [R, H] bf16."""
     _check_finalize(rows, slot_to_row, top_k, routed_scaling_factor, out)
     _check_aligned(rows=rows, out=out)
-    launch_finalize(rows, slot_to_row, top_k, routed_scaling_factor, out)
-
-
-def launch_finalize(rows, slot_to_row, top_k, routed_scaling_factor, out):
-    """finalize without the argument checks or the op dispatcher, for a caller that made them
-    (fused_moe: its buffers are its own, its arguments checked once)."""
     M = out.shape[0]
     if M == 0:
         return
@@ -173,60 +160,3 @@ def launch_finalize(rows, slot_to_row, top_k, routed_scaling_factor, out):
 @finalize.register_fake
 def _(rows, slot_to_row, top_k, routed_scaling_factor, out):
     _check_finalize(rows, slot_to_row, top_k, routed_scaling_factor, out)
-
-
-@dataclass(frozen=True)
-class RoutingBuffers:
-    """expand's outputs and workspace, sized once for up to max_tokens and then reused."""
-
-    top_k: int
-    expert_counts: torch.Tensor  # int32 [E]
-    expert_offsets: torch.Tensor  # int32 [E + 1]
-    sorted_slots: torch.Tensor  # int32 [max_tokens * k]
-    slot_to_row: torch.Tensor  # int32 [max_tokens * k]
-    gathered: torch.Tensor  # bf16 [max_tokens * k, H]
-    row_weights: torch.Tensor  # float32 [max_tokens * k]
-    workspace: torch.Tensor  # int32, expand_workspace_numel(max_tokens, k, E) (at least 1)
-
-    @classmethod
-    def allocate(cls, max_tokens: int, top_k: int, num_experts: int, hidden_size: int, device) -> "RoutingBuffers":
-        check_int("max_tokens", max_tokens, 0)
-        check_int("top_k", top_k, 1)
-        check_int("num_experts", num_experts, 1, MAX_EXPERTS)
-        slots = max_tokens * top_k
-        i32 = dict(dtype=torch.int32, device=device)
-        return cls(
-            top_k=top_k,
-            expert_counts=torch.empty(num_experts, **i32),
-            expert_offsets=torch.empty(num_experts + 1, **i32),
-            sorted_slots=torch.empty(slots, **i32),
-            slot_to_row=torch.empty(slots, **i32),
-            gathered=torch.empty(slots, hidden_size, dtype=torch.bfloat16, device=device),
-            row_weights=torch.empty(slots, dtype=torch.float32, device=device),
-            workspace=torch.empty(max(1, expand_workspace_numel(max_tokens, top_k, num_experts)), **i32),
-        )
-
-    def for_tokens(self, num_tokens: int) -> "RoutingBuffers":
-        """Views sized for num_tokens <= max_tokens (no copy, no allocation)."""
-        check_int("num_tokens", num_tokens, 0, self.slot_to_row.numel() // self.top_k)
-        slots = num_tokens * self.top_k
-        per_slot = ("sorted_slots", "slot_to_row", "gathered", "row_weights")
-        return RoutingBuffers(**{f.name: getattr(self, f.name)[:slots] if f.name in per_slot else getattr(self, f.name)
-                                 for f in fields(self)})
-
-
-def expand_into(buffers: RoutingBuffers, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                num_experts: int, expert_map: Optional[torch.Tensor] = None, checked: bool = True) -> RoutingBuffers:
-    """Runs expand into views of `buffers` sized for hidden's tokens; returns those views.
-
-    checked=False skips the argument checks and the op dispatcher (tens of microseconds per
-    call) for a caller that has validated the arguments itself, as fused_moe does.
-    """
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.ndim != 2 or topk_ids.shape[1] != buffers.top_k:
-        raise ValueError(f"topk_ids: expected a tensor of shape [M, {buffers.top_k}] (the buffers' top_k), got "
-                         f"{getattr(topk_ids, 'shape', type(topk_ids).__name__)}")
-    view = buffers.for_tokens(topk_ids.shape[0])
-    launch = expand if checked else _launch_expand
-    launch(hidden, topk_ids, topk_weights, expert_map, num_experts, view.expert_counts, view.expert_offsets,
-           view.sorted_slots, view.slot_to_row, view.gathered, view.row_weights, view.workspace)
-    return view

@@ -15,6 +15,11 @@ from .mxfp4 import dequantize_mxfp4
 GATE_UP_ORDERS = ("concat", "interleaved")
 
 
+def _map_tensors(fn, prepared: dict) -> dict:
+    """fn applied to the tensors of a prepared dict; its plain values (scale_max) are kept."""
+    return {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in prepared.items()}
+
+
 @dataclass(frozen=True)
 class PreparedExperts:
     """MXFP4 experts in kernel layout. Every tensor in `w13` and `w2` has the expert as dim 0."""
@@ -33,7 +38,7 @@ class PreparedExperts:
         return PreparedExperts(
             num_experts=self.num_experts, hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
-            w13={k: fn(v) for k, v in self.w13.items()}, w2={k: fn(v) for k, v in self.w2.items()})
+            w13=_map_tensors(fn, self.w13), w2=_map_tensors(fn, self.w2))
 
     def to(self, device) -> "PreparedExperts":
         return self._map(lambda t: t.to(device))

@@ -13,12 +13,17 @@ Prepared tensors (dict values; the expert is dim 0 of every tensor):
   16 bytes at offset 16*t (one conflict-free 128-bit ld.shared).
   Each 32-bit word of a fragment holds the 8 values v = 0..7 of one k-block in the m64k16
   register order (v: k + (v & 1), row + 8 * ((v >> 1) & 1), k + 8 * (v >> 2), with row =
-  16 * (t // 32) + (t % 32) // 4 and k = 2 * (t % 4)); value v has its 3 magnitude bits at bits
-  4v..4v+2 of the word and its sign at bit 8v+7 (v < 4) or 8(v-4)+3 (v >= 4): the layout the
-  kernel's prmt look-up converter wants (templates/sm90/moe_gemm_mainloop.hpp).
+  16 * (t // 32) + (t % 32) // 4 and k = 2 * (t % 4)). Value v sits in the 16-bit lane v & 1
+  (low lane: even v) at the bit positions BIT_POS[v >> 1] of its (sign, e1, e0, m) code bits:
+  the layout whose conversion to bf16 is one mask or shift-and-mask per output register plus one
+  multiply (templates/sm90/moe_gemm_mainloop.hpp, mc_e2m1x8_to_bf16).
 - ``scales``: uint8 [E, Kp/32, Npad], E8M0 bytes, N contiguous (the TMA box is (TileM, TileK/32));
   padding holds 0 (with zero codes, contributes exactly 0).
 - ``bias`` (only when a bias is given): float32 [E, Npad], zero padded.
+- ``scale_max``: int, the largest scale byte of the tensor. The kernels' one-multiply conversion
+  is exact for scale bytes <= FAST_SCALE_MAX; a tensor holding a larger byte (a block scale
+  above 2, or 255 = NaN) takes a two-multiply path. Known offline, so the mainloop never tests
+  scale bytes.
 
 Rows are in kernel order. GEMM2 (W2, N = H): the original order. GEMM1 (W13, N = 2I): per
 16-row block b, rows 16b..16b+7 are gate rows 8b..8b+7 and rows 16b+8..16b+15 the matching up
@@ -30,6 +35,8 @@ K padding: the kernel reads the weights over Kp and the activations over the rea
 zero-fills activation columns [K, Kp), so the padding never reads past a token row.
 """
 
+import functools
+
 import torch
 
 ROW_PAD = 128   # weight rows: a multiple of every TileM (64, 128)
@@ -38,8 +45,12 @@ UNIT_M = 64
 UNIT_K = 64
 GATE_UP_ORDERS = ("concat", "interleaved")
 
-# nibble slot s of a word holds mag(v_s) | sign(v_{SIGN_OF_SLOT[s]}) << 3
-SIGN_OF_SLOT = (4, 0, 5, 1, 6, 2, 7, 3)
+# Bit positions (sign, e1, e0, m) inside a 16-bit lane of the values converted into output
+# register j = 0..3 (lane 0: v = 2j, lane 1: v = 2j + 1). Register j is then (word << (3j)) & mask
+# for j < 3 (the sign lands on bf16 bit 15, e1 e0 on exponent bits 8..7, m on mantissa bit 6), and
+# three shifts for j = 3; the bf16 it yields is the e2m1 value times 2^-126.
+BIT_POS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 11, 10, 13))
+FAST_SCALE_MAX = 128   # 2^(s-1) must be a normal bf16: the bias-fixing multiply folds in the scale
 
 
 def round_up(x: int, m: int) -> int:
@@ -78,30 +89,46 @@ def _rows_w13(I: int, gate_up: str, device) -> torch.Tensor:
     return torch.where(is_up, 2 * j + 1, 2 * j)
 
 
+def _lane_bits() -> torch.Tensor:
+    """int32 [4, 16]: the bits, inside a 16-bit lane, of code c converted into output register j."""
+    return torch.tensor([[sum(((c >> (3 - i)) & 1) << BIT_POS[j][i] for i in range(4)) for c in range(16)]
+                         for j in range(4)], dtype=torch.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _lane_codes(device) -> torch.Tensor:
+    """int32 [65536]: a 16-bit lane -> its 4 codes, code j at bits 4j..4j+3 (inverse of _lane_bits)."""
+    lane = torch.arange(1 << 16, dtype=torch.int32)
+    packed = torch.zeros_like(lane)
+    for j in range(4):
+        for i, pos in enumerate(BIT_POS[j]):
+            packed |= ((lane >> pos) & 1) << (4 * j + 3 - i)
+    return packed.to(device)
+
+
 def _swizzle_codes(codes: torch.Tensor) -> torch.Tensor:
     """codes uint8 [E, Npad, Kp] (logical, padded) -> prepared blocks uint8 [E, Npad/64, Kp/64, 2048]."""
     E, Np, Kp = codes.shape
     S, U = Np // UNIT_M, Kp // UNIT_K
     idx = _unit_index(codes.device)
     units = codes.view(E, S, UNIT_M, U, UNIT_K).permute(0, 1, 3, 2, 4).reshape(E, S, U, UNIT_M * UNIT_K)
-    g = units.index_select(3, idx).view(E, S, U, 128, 4, 8)           # (t, kb, v)
-    mag = g & 7
-    sign = g >> 3
-    slots = mag | (sign[..., list(SIGN_OF_SLOT)] << 3)                  # (t, kb, slot)
-    data = slots[..., 0::2] | (slots[..., 1::2] << 4)                   # (t, kb, byte) = 16 B per thread
-    return data.reshape(E, S, U, 2048)                                   # unit offset o = 16 t + byte
+    g = units.index_select(3, idx).view(E, S, U, 128, 4, 4, 2).long()   # (t, kb, register j, lane)
+    table = _lane_bits().to(codes.device)
+    lanes = table[0][g[..., 0, :]]
+    for j in range(1, 4):
+        lanes |= table[j][g[..., j, :]]
+    data = torch.stack((lanes & 0xFF, lanes >> 8), dim=-1)              # (t, kb, lane, byte): little endian
+    return data.to(torch.uint8).reshape(E, S, U, 2048)                   # unit offset o = 16 t + 4 kb + byte
 
 
 def _unswizzle_codes(blocks: torch.Tensor) -> torch.Tensor:
     """Exact inverse of _swizzle_codes."""
     E, S, U, _ = blocks.shape
     Np, Kp = S * UNIT_M, U * UNIT_K
-    data = blocks.reshape(E, S, U, 128, 4, 4)
-    slots = torch.stack((data & 0x0F, data >> 4), dim=-1).flatten(-2)    # (t, kb, slot)
-    mag = slots & 7
-    sign = torch.empty_like(slots)
-    sign[..., list(SIGN_OF_SLOT)] = slots >> 3
-    g = (mag | (sign << 3)).reshape(E, S, U, UNIT_M * UNIT_K)
+    data = blocks.reshape(E, S, U, 128, 4, 2, 2).int()
+    packed = _lane_codes(blocks.device)[(data[..., 0] | (data[..., 1] << 8)).long()]   # (t, kb, lane)
+    g = torch.stack([(packed >> (4 * j)) & 15 for j in range(4)], dim=-2)          # (t, kb, j, lane)
+    g = g.to(torch.uint8).reshape(E, S, U, UNIT_M * UNIT_K)
     units = torch.empty_like(g)
     units[..., _unit_index(blocks.device)] = g
     return units.view(E, S, U, UNIT_M, UNIT_K).permute(0, 1, 3, 2, 4).reshape(E, Np, Kp)
@@ -137,7 +164,7 @@ def _prepare(blocks, scales, bias, rows):
         out_blocks[e0:e1] = _swizzle_codes(codes)
     out_scales = torch.zeros(E, Kp // 32, Np, dtype=torch.uint8, device=dev)
     out_scales[:, : K // 32, :N] = scales.transpose(1, 2)
-    out = {"blocks": out_blocks, "scales": out_scales}
+    out = {"blocks": out_blocks, "scales": out_scales, "scale_max": int(scales.max()) if scales.numel() else 0}
     if bias is not None:
         b = torch.zeros(E, Np, dtype=torch.float32, device=dev)
         b[:, :N] = bias.float()
@@ -145,11 +172,18 @@ def _prepare(blocks, scales, bias, rows):
     return out
 
 
+def prepared_shapes(E: int, N: int, K: int) -> dict:
+    """Shapes of the prepared tensors of E experts' [N, K] weights, by dict key."""
+    Np, Kp = round_up(N, ROW_PAD), round_up(K, K_PAD)
+    return {"blocks": (E, Np // UNIT_M, Kp // UNIT_K, 2048), "scales": (E, Kp // 32, Np), "bias": (E, Np)}
+
+
 def _unprepare(prepared, N, K, rows):
     blocks, scales = prepared["blocks"], prepared["scales"]
     E = blocks.shape[0]
     Np, Kp = round_up(N, ROW_PAD), round_up(K, K_PAD)
-    if tuple(blocks.shape) != (E, Np // UNIT_M, Kp // UNIT_K, 2048) or tuple(scales.shape) != (E, Kp // 32, Np):
+    shapes = prepared_shapes(E, N, K)
+    if tuple(blocks.shape) != shapes["blocks"] or tuple(scales.shape) != shapes["scales"]:
         raise ValueError(f"prepared tensors do not match N={N}, K={K}: blocks {tuple(blocks.shape)}, "
                          f"scales {tuple(scales.shape)}")
     out_blocks = torch.empty(E, N, K // 2, dtype=torch.uint8, device=blocks.device)

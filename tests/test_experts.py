@@ -55,7 +55,8 @@ def test_prepared_weights_stay_mxfp4_sized():
     gen = torch.Generator().manual_seed(4)
     E, H, I = 4, 256, 128
     experts = mc.prepare_experts(*mxfp4(E, 2 * I, H, gen), *mxfp4(E, H, I, gen))
-    nbytes = sum(t.numel() * t.element_size() for d in (experts.w13, experts.w2) for t in d.values())
+    nbytes = sum(t.numel() * t.element_size() for d in (experts.w13, experts.w2) for t in d.values()
+                 if isinstance(t, torch.Tensor))
     assert nbytes <= E * 3 * H * I * 4.25 / 8 * 1.01
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe_cutlass import layout
+from moe_cutlass.experts import _map_tensors
 
 pytestmark = pytest.mark.gpu
 
@@ -89,7 +90,7 @@ def ref_gemm1(W13, b13, x, counts, activation, alpha, limit):
 
 
 def to_cuda(d):
-    return {k: v.cuda() for k, v in d.items()}
+    return _map_tensors(torch.Tensor.cuda, d)
 
 
 def run_gemm2(blocks, scales, bias, x, counts, w, extra_rows=3, config=None):
@@ -137,6 +138,40 @@ def test_converter_exact_all_codes_and_scales(config):
     want = dequant(blocks, scales)[0].T.contiguous()                 # [K tokens, N]
     got = out[:K].float().cpu()
     assert torch.equal(got, want), f"{(got != want).sum().item()} mismatches"
+    assert torch.isnan(out[K:].float()).all(), "wrote past the last row"
+
+
+@pytest.mark.parametrize("config", CONFIGS2)
+@pytest.mark.parametrize("path", ["fast", "slow"])
+def test_converter_exact_every_scale_byte(config, path):
+    """All 16 codes x every scale byte the path covers (fast: 0..128, the one-multiply conversion;
+    slow: 0..254 and one NaN byte 255), distinct per 32-block and per row. Token r is one-hot at
+    k = r with value 2^(127 - B) (B the block's base byte), so every product is a normal bf16
+    and out[r, m] = x_r * W[m, r] exactly, subnormal and huge weights included."""
+    G = 33 if path == "fast" else 64
+    top = layout.FAST_SCALE_MAX if path == "fast" else 254
+    E, N, K = 1, 128, 32 * G
+    base = 4 * torch.arange(G)
+    s = (base.view(1, G) + torch.arange(N).view(N, 1) % 4).clamp(max=top)
+    codes = (torch.arange(N).view(N, 1) * 7 + torch.arange(K).view(1, K)) % 16
+    # 2 * 2^(254-127) overflows bf16, and one inf weight would turn its whole row NaN (0 * inf):
+    # blocks with bytes 253 and 254 keep the codes 0, 0.5, 1, 1.5 (clear e1)
+    codes = torch.where(s.repeat_interleave(32, 1) >= 253, codes & 0b1011, codes)
+    blocks = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(E, N, K // 2)
+    if path == "slow":
+        s[5, 3] = 255
+    scales = s.to(torch.uint8).view(E, N, G)
+    assert layout.prepare_w2(blocks, scales)["scale_max"] == (top if path == "fast" else 255)
+    x_scale = torch.pow(2.0, 127.0 - base.double()).repeat_interleave(32)
+    x = torch.diag(x_scale).to(torch.bfloat16)
+    out = run_gemm2(blocks, scales, None, x, [K], torch.ones(K), config=config)
+    want = (dequant(blocks, scales)[0].double().T * x_scale.view(K, 1)).float()   # [K tokens, N]
+    got = out[:K].float().cpu()
+    nan_row = torch.zeros(N, dtype=torch.bool)
+    if path == "slow":
+        nan_row[5] = True
+        assert torch.isnan(got[:, nan_row]).all(), "a NaN scale byte must make its weight row NaN"
+    assert torch.equal(got[:, ~nan_row], want[:, ~nan_row]), f"{(got[:, ~nan_row] != want[:, ~nan_row]).sum()} mismatches"
     assert torch.isnan(out[K:].float()).all(), "wrote past the last row"
 
 
@@ -285,4 +320,4 @@ def test_layout_same_on_cpu_and_gpu():
         b = fn(blocks.cuda(), scales.cuda(), bias.cuda(), *args)
         assert a.keys() == b.keys()
         for k in a:
-            assert torch.equal(a[k], b[k].cpu()), k
+            assert torch.equal(a[k], b[k].cpu()) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k

@@ -1,5 +1,5 @@
 """layout.py: exact round trips, gate/up row order, and an emulation of the kernel's reading of
-the prepared bytes (fragment addressing + prmt converter) on the CPU."""
+the prepared bytes (fragment addressing + bit-placement converter + scale multiply) on the CPU."""
 
 import pytest
 import torch
@@ -78,54 +78,78 @@ def test_w13_kernel_row_order(gate_up):
 
 # ---- emulation of the kernel's reads (moe_gemm_mainloop.hpp) ----
 
-def _prmt(a, b, sel):
-    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-    out = 0
-    for i in range(4):
-        n = (sel >> (4 * i)) & 0xF
-        byte = src[n & 7]
-        if n & 8:
-            byte = 0xFF if byte & 0x80 else 0
-        out |= byte << (8 * i)
-    return out
-
-
 def _convert(q):
-    """Python twin of mc_e2m1x8_to_bf16: word -> 8 bf16 bit patterns (v0..v7)."""
-    m = q & 0x77777777
-    m2 = m >> 16
-    h0 = _prmt(0x3F3F3F00, 0x40404040, m) | (q & 0x80808080)
-    h1 = _prmt(0x3F3F3F00, 0x40404040, m2) | ((q << 4) & 0x80808080 & 0xFFFFFFFF)
-    l0 = _prmt(0xC0800000, 0xC0804000, m)
-    l1 = _prmt(0xC0800000, 0xC0804000, m2)
-    regs = [_prmt(l0, h0, 0x5140), _prmt(l0, h0, 0x7362), _prmt(l1, h1, 0x5140), _prmt(l1, h1, 0x7362)]
+    """Python twin of mc_e2m1x8_to_bf16: word -> 8 bf16 bit patterns (v0..v7), each the e2m1 value
+    times 2^-126."""
+    mask = 0x81C081C0
+    regs = [q & mask, (q << 3) & mask, (q << 6) & mask,
+            ((q >> 7) & 0x00400040) | ((q >> 3) & 0x01800180) | ((q << 1) & 0x80008000)]
     out = []
     for r in regs:
-        out += [r & 0xFFFF, r >> 16]
+        out += [r & 0xFFFF, (r >> 16) & 0xFFFF]
     return out
 
 
 def _bf16(bits):
-    import struct
-    return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+    return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def _mul_bf16(a_bits, b_bits):
+    """bf16 x bf16 -> bf16 (round to nearest even), as mul.rn.bf16x2 does on one half."""
+    return (_bf16(a_bits).float() * _bf16(b_bits).float()).to(torch.bfloat16)
+
+
+def _scale_fast(s):
+    return (s * 0x00800080 + 0x3F003F00) & 0xFFFF        # mc_scale_fast, one half
+
+
+def _scale_slow(s):
+    return 0x0040 if s == 0 else 0x7FC0 if s == 255 else s << 7
+
+
+def _word(codes):
+    """The prepared word holding codes[v] for v = 0..7 (layout.BIT_POS)."""
+    q = 0
+    for v, c in enumerate(codes):
+        for i, pos in enumerate(layout.BIT_POS[v >> 1]):
+            q |= ((c >> (3 - i)) & 1) << (pos + 16 * (v & 1))
+    return q
 
 
 def test_converter_all_codes():
-    """Every code in every value slot converts to its exact e2m1 value."""
+    """Every code in every value slot converts to its exact e2m1 value times 2^-126."""
     for v in range(8):
         for code in range(16):
-            codes = [0] * 8
+            codes = [(v + 3 * s) % 16 for s in range(8)]
             codes[v] = code
-            q = 0
-            for s in range(8):
-                q |= (codes[s] & 7) << (4 * s)
-            for s in range(8):
-                sign = codes[s] >> 3
-                q |= sign << (8 * s + 7 if s < 4 else 8 * (s - 4) + 3)
-            got = [_bf16(x) for x in _convert(q)]
+            got = [_bf16(x).float().item() * 2.0 ** 126 for x in _convert(_word(codes))]
             want = [E2M1[c] for c in codes]
-            assert got == want and all((g < 0) == (w < 0) or g == 0 for g, w in zip(got, want))
+            assert got == want
             assert str(got[v]) == str(E2M1[code])   # sign of zero too
+
+
+def test_converter_scales_every_byte():
+    """Both scale paths against exact 2^(s-127) for all 16 codes x every scale byte: the fast
+    path (one multiply by 2^(s-1)) for s <= FAST_SCALE_MAX, the slow one (2^126, then 2^(s-127))
+    for every byte; the kernel picks the slow path for a tensor whose scale_max is larger."""
+    codes = torch.arange(16)
+    bits = torch.tensor([x for q in (_word(list(range(8))), _word(list(range(8, 16)))) for x in _convert(q)])
+    conv = bits.to(torch.int32).to(torch.int16).view(torch.bfloat16)          # value * 2^-126, code order
+    for s in range(256):
+        want = torch.tensor(E2M1, dtype=torch.float64)[codes] * 2.0 ** (s - 127) if s < 255 else None
+        slow = (conv.float() * _bf16(0x7E80).float()).to(torch.bfloat16)
+        slow = (slow.float() * _bf16(_scale_slow(s)).float()).to(torch.bfloat16).double()
+        paths = [slow]
+        if s <= layout.FAST_SCALE_MAX:
+            paths.append((conv.float() * _bf16(_scale_fast(s)).float()).to(torch.bfloat16).double())
+        for got in paths:
+            if s == 255:
+                assert torch.isnan(got).all()
+            else:
+                finite = want.abs() < 2.0 ** 128                               # 4 * 2^126 overflows bf16
+                assert torch.equal(got[finite], want[finite]), s
+                assert torch.isinf(got[~finite]).all(), s
+    assert _scale_fast(layout.FAST_SCALE_MAX + 1) == 0x7F80                   # 2^128: not a finite bf16
 
 
 def test_kernel_read_emulation():
@@ -150,7 +174,7 @@ def test_kernel_read_emulation():
                     unit = ktile * (TileK // 64) + u
                     base = (slab * (Kp // 64) + unit) * 2048 + 16 * t + 4 * w
                     q = raw[base] | raw[base + 1] << 8 | raw[base + 2] << 16 | raw[base + 3] << 24
-                    vals = [_bf16(x) for x in _convert(q)]
+                    vals = [_bf16(x).float().item() * 2.0 ** 126 for x in _convert(q)]
                     g = (ktile * TileK + kb * 16) // 32
                     s0 = 2.0 ** (int(sc[g, row0]) - 127)
                     s1 = 2.0 ** (int(sc[g, row0 + 8]) - 127)

@@ -6,18 +6,20 @@
 extern "C" {
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n16k256_coop: GEMM2, tile 128x16x256, cooperative.
  * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
- * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [rows, K] in expert order, row stride K;
+ * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
+ * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
- * bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
+ * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
+ *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n16k256_coop_workspace_size(E, number of SMs of the device),
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
-int mc_sm90_moe_gemm2_m128n16k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act,
+int mc_sm90_moe_gemm2_m128n16k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, const float* row_weights, void* out,
-                       int32_t E, int32_t N, int32_t K, int32_t activation, float swiglu_alpha,
+                       int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n16k256_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m128n16k256_coop_workspace_size(int32_t E, int32_t num_sms);
@@ -33,12 +35,12 @@ namespace {
 using Cfg = moe_cutlass::MoeGemmConfig<2, 128, 16, 256, false>;
 }
 
-extern "C" int mc_sm90_moe_gemm2_m128n16k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act,
+extern "C" int mc_sm90_moe_gemm2_m128n16k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                                   const int32_t* expert_offsets, const float* row_weights, void* out,
-                                  int32_t E, int32_t N, int32_t K, int32_t activation, float swiglu_alpha,
+                                  int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
                                   float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  return moe_cutlass::moe_gemm_run<Cfg, 2>(w_blocks, w_scales, bias, act, expert_offsets, row_weights, out,
-                                                   E, N, K, activation, swiglu_alpha, swiglu_limit, workspace,
+  return moe_cutlass::moe_gemm_run<Cfg, 2>(w_blocks, w_scales, bias, act, act_rows, expert_offsets, row_weights, out,
+                                                   E, N, K, scale_max, activation, swiglu_alpha, swiglu_limit, workspace,
                                                    workspace_bytes, stream);
 }
 

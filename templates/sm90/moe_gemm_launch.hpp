@@ -2,14 +2,14 @@
 //
 // Per call, on the caller's stream, nothing read back to the host (CUDA-graph capturable):
 //   1. mc_moe_setup_kernel: from expert_offsets (device) writes the per-expert problem shapes
-//      (Npad, rows_e, Kp), pointer arrays (weights, token rows, scales) and B strides into the
-//      caller's workspace. Experts with rows_e <= 0 get N = 0 and are skipped by the grouped
-//      tile scheduler.
+//      (Npad, rows_e, Kp) into the caller's workspace, for the grouped tile scheduler. Experts
+//      with rows_e <= 0 get N = 0 and are skipped.
 //   2. the CUTLASS ptr-array kernel (persistent, grid = #SMs): our mainloop (moe_gemm_mainloop.hpp)
-//      + our epilogue (moe_gemm_epilogue.hpp). Its workspace (per-SM TMA descriptor slots) is
-//      carved from the caller's workspace too: two launches in flight must not share one.
-// Host work per call: argument checks, TMA descriptor encoding (GemmUniversalAdapter::initialize),
-// no device memory is read.
+//      + our epilogue (moe_gemm_epilogue.hpp). Its TMA descriptors are static kernel parameters
+//      over all experts (nothing per group in the workspace); the scheduler's workspace is carved
+//      from the caller's: two launches in flight must not share one.
+// Host work per call: argument checks, TMA descriptor encoding when the buffers changed
+// (GemmUniversalAdapter::initialize, cached), no device memory is read.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -59,16 +59,8 @@ struct MoeGemmConfig {
 
 struct MoeSetupArgs {
   void* shapes;            // UnderlyingShape[E]
-  void const** ptr_A;
-  void const** ptr_B;
-  void const** ptr_S;
-  cute::Stride<int64_t, _1, _0>* dA;
-  cute::Stride<int64_t, _1, _0>* dB;
-  uint8_t const* w_blocks;
-  uint8_t const* w_scales;
-  uint8_t const* act;      // bf16 bytes
   int32_t const* offsets;
-  int32_t E, m_pad, k_pad, k_real;
+  int32_t E, m_pad, k_pad;
 };
 
 // internal linkage: every instantiation TU has its own copy (one library, several configs)
@@ -80,35 +72,20 @@ static __global__ void mc_moe_setup_kernel(MoeSetupArgs a) {
   if (lo < 0 || rows < 0) rows = 0;    // malformed offsets: skip the expert, never read out of bounds
   int* sh = reinterpret_cast<int*>(a.shapes) + 3 * e;
   sh[0] = a.m_pad; sh[1] = rows; sh[2] = a.k_pad;
-  a.ptr_A[e] = a.w_blocks + int64_t(e) * a.m_pad * (a.k_pad / 2);
-  a.ptr_S[e] = a.w_scales + int64_t(e) * a.m_pad * (a.k_pad / 32);
-  a.ptr_B[e] = a.act + int64_t(rows > 0 ? lo : 0) * a.k_real * 2;
-  a.dA[e] = cute::Stride<int64_t, _1, _0>{int64_t(a.k_pad), {}, {}};
-  a.dB[e] = cute::Stride<int64_t, _1, _0>{int64_t(a.k_real), {}, {}};
 }
 
 struct MoeWorkspaceLayout {
-  size_t shapes, ptr_A, ptr_B, ptr_S, dA, dB, cutlass_ws, total;
+  size_t shapes, cutlass_ws, total;
 };
 
 inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 template <class Cfg>
-inline typename Cfg::Gemm::Arguments make_args(int E, int sm_count, void* shapes, void const** pA, void const** pB,
-                                               void const** pS, void* dA, void* dB, int m_pad, int k_pad, int k_real,
+inline typename Cfg::Gemm::Arguments make_args(int E, int sm_count, void* shapes, typename Cfg::Mainloop::Arguments const& ml,
                                                MoeEpilogueArguments const& epi) {
   typename Cfg::Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {E, reinterpret_cast<typename Cfg::UnderlyingShape*>(shapes), nullptr};
-  typename Cfg::Mainloop::Arguments ml;
-  ml.ptr_A = reinterpret_cast<typename Cfg::Mainloop::ElementA const**>(pA);
-  ml.dA = reinterpret_cast<typename Cfg::StrideAB*>(dA);
-  ml.ptr_B = reinterpret_cast<typename Cfg::Mainloop::ElementB const**>(pB);
-  ml.dB = reinterpret_cast<typename Cfg::StrideAB*>(dB);
-  ml.ptr_S = reinterpret_cast<uint8_t const**>(pS);
-  ml.m_pad = m_pad;
-  ml.k_pad = k_pad;
-  ml.k_real = k_real;
   args.mainloop = ml;
   args.epilogue = epi;
   args.hw_info.device_id = 0;
@@ -121,14 +98,10 @@ inline MoeWorkspaceLayout workspace_layout(int E, int sm_count) {
   MoeWorkspaceLayout L;
   size_t o = 0;
   L.shapes = o; o = align_up(o + size_t(E) * 12, 128);
-  L.ptr_A = o; o = align_up(o + size_t(E) * 8, 128);
-  L.ptr_B = o; o = align_up(o + size_t(E) * 8, 128);
-  L.ptr_S = o; o = align_up(o + size_t(E) * 8, 128);
-  L.dA = o; o = align_up(o + size_t(E) * sizeof(typename Cfg::StrideAB), 128);
-  L.dB = o; o = align_up(o + size_t(E) * sizeof(typename Cfg::StrideAB), 128);
   L.cutlass_ws = o;
+  typename Cfg::Mainloop::Arguments ml{};
   MoeEpilogueArguments epi{};
-  auto args = make_args<Cfg>(E, sm_count, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 128, 64, 64, epi);
+  auto args = make_args<Cfg>(E, sm_count, nullptr, ml, epi);
   o = align_up(o + Cfg::Gemm::get_workspace_size(args), 128);
   L.total = o;
   return L;
@@ -158,7 +131,7 @@ inline size_t moe_gemm_workspace_size(int32_t E, int32_t num_sms) {
 struct MoeParamKey {
   int device;
   const void* ptrs[8];
-  int32_t E, N, K, activation;
+  int32_t E, N, K, act_rows, scale_max, activation;
   float alpha, limit;
   size_t workspace_bytes;
 };
@@ -177,14 +150,15 @@ struct MoeParamCache {
 
 template <class Cfg, int Kind>
 inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float* bias, const void* act,
-                        const int32_t* expert_offsets, const float* row_weights, void* out, int32_t E, int32_t N,
-                        int32_t K, int32_t activation, float swiglu_alpha, float swiglu_limit, void* workspace,
+                        int32_t act_rows, const int32_t* expert_offsets, const float* row_weights, void* out,
+                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha, float swiglu_limit, void* workspace,
                         size_t workspace_bytes, cudaStream_t stream) {
   constexpr int kInvalid = int(cudaErrorInvalidValue);
-  if (E <= 0 || N <= 0 || K <= 0 || (K % 32) != 0 || (N % 32) != 0) return kInvalid;
+  if (E <= 0 || N <= 0 || K <= 0 || (K % 32) != 0 || (N % 32) != 0 || act_rows <= 0) return kInvalid;
   if (int64_t(N) * 2 >= (int64_t(1) << 31) || int64_t(K) >= (int64_t(1) << 24)) return kInvalid;
   if (!w_blocks || !w_scales || !act || !expert_offsets || !out || !workspace) return kInvalid;
   if (Kind == 2 && !row_weights) return kInvalid;
+  if (scale_max < 0 || scale_max > 255) return kInvalid;
   if (Kind == 1 && (activation < 0 || activation > 1)) return kInvalid;
   if (Kind == 1 && (N % 64) != 0) return kInvalid;     // N = 2I, I a multiple of 32
   if (std::isnan(swiglu_limit) || std::isnan(swiglu_alpha)) return kInvalid;
@@ -200,16 +174,8 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
 
   MoeSetupArgs sa;
   sa.shapes = ws + L.shapes;
-  sa.ptr_A = reinterpret_cast<void const**>(ws + L.ptr_A);
-  sa.ptr_B = reinterpret_cast<void const**>(ws + L.ptr_B);
-  sa.ptr_S = reinterpret_cast<void const**>(ws + L.ptr_S);
-  sa.dA = reinterpret_cast<cute::Stride<int64_t, _1, _0>*>(ws + L.dA);
-  sa.dB = reinterpret_cast<cute::Stride<int64_t, _1, _0>*>(ws + L.dB);
-  sa.w_blocks = reinterpret_cast<uint8_t const*>(w_blocks);
-  sa.w_scales = reinterpret_cast<uint8_t const*>(w_scales);
-  sa.act = reinterpret_cast<uint8_t const*>(act);
   sa.offsets = expert_offsets;
-  sa.E = E; sa.m_pad = m_pad; sa.k_pad = k_pad; sa.k_real = K;
+  sa.E = E; sa.m_pad = m_pad; sa.k_pad = k_pad;
   mc_moe_setup_kernel<<<(E + 127) / 128, 128, 0, stream>>>(sa);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return int(err);
@@ -229,7 +195,7 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
   cudaGetDevice(&key.device);
   key.ptrs[0] = w_blocks; key.ptrs[1] = w_scales; key.ptrs[2] = bias; key.ptrs[3] = act;
   key.ptrs[4] = expert_offsets; key.ptrs[5] = row_weights; key.ptrs[6] = out; key.ptrs[7] = workspace;
-  key.E = E; key.N = N; key.K = K; key.activation = activation;
+  key.E = E; key.N = N; key.K = K; key.act_rows = act_rows; key.scale_max = scale_max; key.activation = activation;
   key.alpha = swiglu_alpha; key.limit = swiglu_limit; key.workspace_bytes = workspace_bytes;
 
   auto& cache = MoeParamCache<Cfg>::get();
@@ -243,7 +209,18 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
     }
   }
   if (!hit) {
-    auto args = make_args<Cfg>(E, sms, sa.shapes, sa.ptr_A, sa.ptr_B, sa.ptr_S, sa.dA, sa.dB, m_pad, k_pad, K, epi);
+    typename Cfg::Mainloop::Arguments ml;
+    ml.w_blocks = reinterpret_cast<uint8_t const*>(w_blocks);
+    ml.w_scales = reinterpret_cast<uint8_t const*>(w_scales);
+    ml.act = reinterpret_cast<cutlass::bfloat16_t const*>(act);
+    ml.offsets = expert_offsets;
+    ml.num_experts = E;
+    ml.act_rows = act_rows;
+    ml.m_pad = m_pad;
+    ml.k_pad = k_pad;
+    ml.k_real = K;
+    ml.scale_max = scale_max;
+    auto args = make_args<Cfg>(E, sms, sa.shapes, ml, epi);
     typename Cfg::Gemm gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kInvalid;
     if (gemm.initialize(args, ws + L.cutlass_ws, stream) != cutlass::Status::kSuccess) return int(cudaErrorLaunchFailure);

@@ -17,13 +17,24 @@
 //     a silently wrong result when chunk_size=32 is given with device-only shapes). The scale
 //     tile is (TileM, TileK/32) uint8 E8M0 with M contiguous in gmem ([E][K/32][Npad]), loaded by
 //     TMA with the A/B tiles of the same stage. Every k-block picks its own 32-group scale.
-//  3. Conversion: custom e2m1 -> bf16 (prmt byte look-up tables, exact for all 16 codes), then a
-//     bf16x2 multiply by 2^(s-127) (bits s<<7; s=0 -> 0x0040, s=255 -> NaN). Upstream has no
-//     e2m1 fast path on SM90 (generic ~100 instr/value converter).
-//  4. A and scale TMA descriptors have the same dims for every expert (known on the host), only
-//     their base addresses are replaced per group; B (tokens) gets dims (rows_e, K) per group,
-//     K being the REAL K (the weights are padded to Kp = roundup(K, 64) with zeros; TMA zero
-//     fills B's K tail, so padding never reads past a token row).
+//  3. Conversion: custom e2m1 -> bf16 by bit placement: the offline layout puts each code's bits
+//     where a mask (after a shift) turns them into the bf16 of value * 2^-126, and ONE bf16x2
+//     multiply by 2^(s-1) applies the E8M0 scale and fixes the exponent bias (6 LOP3 + 5 shifts +
+//     4 HMUL2 per 8 weights; the prmt look-up converter before it took 12-17 ALU instructions).
+//     Exact for scale bytes <= 128; a weight tensor holding a larger byte (known offline:
+//     layout.py's scale_max) runs the whole call on a two-multiply path (2^126, then 2^(s-127))
+//     that is exact for every byte, 255 giving NaN. No per-byte scale tests in the loop. Upstream
+//     has no e2m1 fast path on SM90 (generic ~100 instr/value converter).
+//  4. Static TMA descriptors over all experts, encoded once on the host: A as (256 B, unit rows,
+//     slabs, E), scales as (Npad, Kp/32, E), B as the whole act buffer (rows, K) with the tile's
+//     first row offsets[e] + n * TileN (rows past the expert are read and masked in the epilogue;
+//     DeepGEMM's "contiguous layout"). Upstream rewrites A, B and scale descriptors in smem,
+//     fences them and publishes them to global memory on every group change (tensormap.replace;
+//     about 5000 cycles per change, KERNEL_NOTES H.2), and with the grouped scheduler's strided
+//     tile order nearly every tile of a CTA is a new group. Here the kernel layer's tensormap
+//     hooks are no-ops and tensors_perform_update only records (expert, first row). K is the
+//     REAL K for B (the weights are padded to Kp = roundup(K, 64) with zeros; TMA zero fills B's
+//     K tail, so padding never reads past a token row).
 //  5. Consumer schedule: two A register sets; the GMMAs of k tile t (one arrive/commit for the
 //     whole tile) run while tile t+1 is read from smem and converted into the other set, then
 //     wait<0> and release tile t's stage (upstream converts k-block kb+1 during k-block kb with
@@ -61,68 +72,39 @@ using namespace cute;
 
 // ---------------------------------------------------------------------------------------------
 // e2m1 -> bf16 converter.
-// Input word layout (produced offline by layout.py, see _pack_word there):
-//   element v (0..7, the RS fragment value order) has its 3 magnitude bits at bits 4v..4v+2;
-//   sign of v<4 at bit 8v+7, sign of v>=4 at bit 8(v-4)+3.
-// Output: 4 bf16x2 registers (v0,v1) (v2,v3) (v4,v5) (v6,v7).
+// Input word layout (produced offline by layout.py, BIT_POS there): the 8 values v = 0..7 of one
+// k-block (RS fragment order); value v lives in 16-bit lane v & 1, and the values converted into
+// output register j have their (sign, e1, e0, m) bits at lane bits j0: 15,8,7,6; j1: 12,5,4,3;
+// j2: 9,2,1,0; j3: 14,11,10,13. Masking (after a shift) lands sign on bf16 bit 15, e1 e0 on
+// exponent bits 8..7 and m on mantissa bit 6, which is exactly the bf16 of the e2m1 value times
+// 2^-126 (code 0.5 becomes the subnormal 2^-127). One bf16x2 multiply by 2^(s-1) then applies
+// the E8M0 scale and the bias fix together (mc_scale_fast); all exact, and bf16 multiplies and
+// WGMMA keep subnormals (KERNEL_NOTES H.1). 6 LOP3 + 5 shifts per 8 weights, against 12-17 ALU
+// instructions for the prmt look-up tables this replaced.
+// Output: 4 bf16x2 registers (v0,v1) (v2,v3) (v4,v5) (v6,v7), each times 2^-126.
 // ---------------------------------------------------------------------------------------------
-CUTLASS_DEVICE uint32_t mc_prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
+CUTLASS_DEVICE void mc_e2m1x8_to_bf16(uint32_t q, uint32_t (&out)[4]) {
+  constexpr uint32_t kMask = 0x81C081C0u;   // sign, exponent bits 1..0, mantissa bit 6, per lane
+  out[0] = q & kMask;
+  out[1] = (q << 3) & kMask;
+  out[2] = (q << 6) & kMask;
+  out[3] = ((q >> 7) & 0x00400040u) | ((q >> 3) & 0x01800180u) | ((q << 1) & 0x80008000u);
 }
 
-// bf16 of magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}: high bytes {00,3F,3F,3F,40,40,40,40},
-// low bytes {00,00,80,C0,00,40,80,C0}. Set once per mainloop call. As constants (set through
-// asm) ptxas keeps them in uniform registers and copies two of them into R before every prmt
-// (~5 extra SASS instructions per 8 weights); PerThread ORs in tid.x >> 16 (always 0, blocks
-// have <= 1024 threads), which makes them per-thread values it neither folds nor re-copies. That
-// wins 4-8% on the converter-bound small-N tiles but cost the 128-token GEMM2 ~4% (register
-// pressure; bench_20261129T131109Z_gemm.json vs bench_20261129T124329Z_gemm.json), hence the
-// choice per tile.
-struct Mxfp4Lut {
-  uint32_t hi0, hi1, lo0, lo1;
-  template <bool PerThread>
-  CUTLASS_DEVICE static Mxfp4Lut make() {
-    Mxfp4Lut l;
-    if constexpr (PerThread) {
-      uint32_t z;
-      asm volatile("{ .reg .u32 t; mov.u32 t, %%tid.x; shr.u32 %0, t, 16; }" : "=r"(z));
-      l.hi0 = 0x3F3F3F00u | z;
-      l.hi1 = 0x40404040u | z;
-      l.lo0 = 0xC0800000u | z;
-      l.lo1 = 0xC0804000u | z;
-    } else {
-      asm volatile("mov.b32 %0, 0x3F3F3F00;" : "=r"(l.hi0));
-      asm volatile("mov.b32 %0, 0x40404040;" : "=r"(l.hi1));
-      asm volatile("mov.b32 %0, 0xC0800000;" : "=r"(l.lo0));
-      asm volatile("mov.b32 %0, 0xC0804000;" : "=r"(l.lo1));
-    }
-    return l;
-  }
-};
+// Scale bytes s <= 128 (layout.FAST_SCALE_MAX): bf16x2 of 2^(s-1) in both halves, bits (s+126) << 7,
+// one IMAD; 2^-126 * 2^(s-1) * value = value * 2^(s-127) exactly.
+CUTLASS_DEVICE uint32_t mc_scale_fast(uint32_t s) { return s * 0x00800080u + 0x3F003F00u; }
 
-CUTLASS_DEVICE void mc_e2m1x8_to_bf16(uint32_t q, uint32_t (&out)[4], Mxfp4Lut const& lut) {
-  uint32_t const kHi0 = lut.hi0, kHi1 = lut.hi1, kLo0 = lut.lo0, kLo1 = lut.lo1;
-  uint32_t m  = q & 0x77777777u;
-  uint32_t m2 = m >> 16;
-  uint32_t h0 = mc_prmt(kHi0, kHi1, m)  | (q & 0x80808080u);
-  uint32_t h1 = mc_prmt(kHi0, kHi1, m2) | ((q << 4) & 0x80808080u);
-  uint32_t l0 = mc_prmt(kLo0, kLo1, m);
-  uint32_t l1 = mc_prmt(kLo0, kLo1, m2);
-  out[0] = mc_prmt(l0, h0, 0x5140u);
-  out[1] = mc_prmt(l0, h0, 0x7362u);
-  out[2] = mc_prmt(l1, h1, 0x5140u);
-  out[3] = mc_prmt(l1, h1, 0x7362u);
-}
-
-// E8M0 byte -> bf16x2 (both halves) of 2^(s-127), exact.
+// Any byte: bf16x2 of 2^(s-127) (s=0 -> 0x0040, a subnormal; s=255 -> NaN), applied after a first
+// multiply by 2^126 (kUnbias) has made the converted value exact and normal.
 CUTLASS_DEVICE uint32_t mc_e8m0_to_bf16x2(uint32_t s) {
   uint32_t b = s << 7;
   b = (s == 0u) ? 0x0040u : b;
   b = (s == 255u) ? 0x7FC0u : b;
   return b | (b << 16);
 }
+constexpr uint32_t kUnbias = 0x7E807E80u;   // bf16x2 of 2^126
+constexpr int kFastScaleMax = 128;          // = layout.FAST_SCALE_MAX
 
 CUTLASS_DEVICE uint32_t mc_mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t d;
@@ -185,6 +167,8 @@ struct Mxfp4MoeMainloop {
   using SmemLayoutAtomB = GMMA::Layout_K_SW128_Atom<ElementMma>;
   using SmemLayoutB = decltype(tile_to_shape(SmemLayoutAtomB{},
       make_shape(Int<TileN>{}, Int<TileK>{}, Int<Stages>{}), Step<_1, _2, _3>{}));
+  // One 8-row chunk of the B tile (one swizzle atom per 64 K): the box of the partial-tile loads.
+  using SmemLayoutB8 = decltype(tile_to_shape(SmemLayoutAtomB{}, make_shape(_8{}, Int<TileK>{})));
   using SmemLayoutScale = Layout<Shape<Int<TileM>, Int<Groups>, Int<Stages>>,
                                  Stride<_1, Int<TileM>, Int<TileM * Groups>>>;
 
@@ -205,11 +189,7 @@ struct Mxfp4MoeMainloop {
       alignas(1024) cute::array_aligned<ElementMma, cosize_v<SmemLayoutB>, 1024> smem_B;
       alignas(128) cute::array_aligned<uint8_t, TmaBytesS * Stages, 128> smem_scale;
     } tensors;
-    struct TensorMapStorage {
-      cute::TmaDescriptor smem_tensormap_A;
-      cute::TmaDescriptor smem_tensormap_B;
-      cute::TmaDescriptor smem_tensormap_scale;
-    };
+    struct TensorMapStorage {};   // the descriptors are static kernel parameters
     using PipelineStorage = typename MainloopPipeline::SharedStorage;
     PipelineStorage pipeline;
   };
@@ -220,21 +200,27 @@ struct Mxfp4MoeMainloop {
   static constexpr bool IsGroupedGemmKernel = true;
 
   struct Arguments {
-    ElementA const** ptr_A;        // [E] expert weight tiles (prepared layout)
-    StrideA dA;                    // [E] (Kp, 1, 0) in 4-bit elements
-    ElementB const** ptr_B;        // [E] first token row of each expert
-    StrideB dB;                    // [E] (K, 1, 0)
-    ElementScale const** ptr_S;    // [E] expert scales [Kp/32][Npad]
+    uint8_t const* w_blocks;       // [E][Npad/64][Kp/64][2048 B] prepared weights
+    ElementScale const* w_scales;  // [E][Kp/32][Npad] E8M0 bytes
+    ElementB const* act;           // [act_rows][K] tokens in expert order
+    int32_t const* offsets;        // [E+1] expert row offsets into act (device)
+    int num_experts = 0;
+    int act_rows = 0;              // rows the act buffer holds (>= offsets[E])
     int m_pad = 0;                 // Npad: weight rows (and scale row stride), multiple of TileM
     int k_pad = 0;                 // Kp: padded K of the weights (multiple of 64)
     int k_real = 0;                // K of the activations
+    int scale_max = 255;           // largest scale byte of the weights (layout.py's scale_max)
   };
 
-  using TmaElementA = uint8_t;
-  using GmemLayoutA = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, _0>>;   // (rows, K, L)
-  // per expert: (256 B, 8 * Kp/64 unit rows, Npad/64 slabs); slab stride = 2048 * Kp/64 bytes
-  using GmemLayoutUnits = Layout<Shape<int32_t, int32_t, int32_t>, Stride<_1, _256, int64_t>>;
-  using GmemLayoutS = Layout<Shape<int32_t, int32_t, int32_t>, Stride<_1, int64_t, _0>>;
+  // Static descriptors over ALL experts (no per-group tensormap.replace, KERNEL_NOTES H.2):
+  //   A: (256 B, 8 * Kp/64 unit rows, Npad/64 slabs, E), slab stride 2048 * Kp/64 B;
+  //   scales: (Npad, Kp/32, E);
+  //   B: the whole act buffer (act_rows, K); an expert's tile starts at row offsets[e] + n * TileN,
+  //      rows past the expert belong to the next one (or are zero-filled past act_rows) and are
+  //      masked by the epilogue (n < rows_e).
+  using GmemLayoutB = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, _0>>;
+  using GmemLayoutUnits = Layout<Shape<int32_t, int32_t, int32_t, int32_t>, Stride<_1, _256, int64_t, int64_t>>;
+  using GmemLayoutS = Layout<Shape<int32_t, int32_t, int32_t>, Stride<_1, int64_t, int64_t>>;
 
   struct Params {
     using TMA_A = decltype(make_tma_copy(
@@ -243,58 +229,57 @@ struct Mxfp4MoeMainloop {
         SmemLayoutA{}(_, _, _, Int<0>{}), TileShapeA{}, _1{}));
     using TMA_B = decltype(make_tma_copy(
         GmemTiledCopyB{},
-        make_tensor(static_cast<ElementB const*>(nullptr), GmemLayoutA{}),
+        make_tensor(static_cast<ElementB const*>(nullptr), GmemLayoutB{}),
         SmemLayoutB{}(_, _, Int<0>{}), make_shape(Int<TileN>{}, Int<TileK>{}), _1{}));
+    using TMA_B8 = decltype(make_tma_copy(
+        GmemTiledCopyB{},
+        make_tensor(static_cast<ElementB const*>(nullptr), GmemLayoutB{}),
+        SmemLayoutB8{}, make_shape(_8{}, Int<TileK>{}), _1{}));
     using TMA_S = decltype(make_tma_copy(
         GmemTiledCopyScale{},
         make_tensor(static_cast<ElementScale const*>(nullptr), GmemLayoutS{}),
         SmemLayoutScale{}(_, _, Int<0>{}), make_shape(Int<TileM>{}, Int<Groups>{}), _1{}));
     TMA_A tma_load_a;
     TMA_B tma_load_b;
+    TMA_B8 tma_load_b8;
     TMA_S tma_load_scale;
     uint32_t tma_transaction_bytes = TmaTransactionBytes;
-    void* tensormaps;
-    ElementA const** ptr_A;
-    ElementB const** ptr_B;
-    ElementScale const** ptr_S;
-    StrideB ptr_dB;
+    int32_t const* offsets;
+    int num_experts;
+    int act_rows;
     int m_pad;
     int k_pad;
     int k_real;
+    int slow_scales;               // some scale byte > kFastScaleMax: the two-multiply conversion
   };
 
   template <class ProblemShape>
-  static Params to_underlying_arguments(ProblemShape, Arguments const& args, void* workspace) {
-    // A and the scales have the same dims for every expert: encode them for real here; only
-    // their addresses change per group. B gets placeholder dims, replaced per group.
-    auto ptrA0 = reinterpret_cast<uint8_t const*>(uintptr_t(0x100000));  // any 16B-aligned address
-    auto ptrB0 = reinterpret_cast<ElementB const*>(uintptr_t(0x100000));
-    auto ptrS0 = reinterpret_cast<ElementScale const*>(uintptr_t(0x100000));
-    Tensor tA = make_tensor(ptrA0,
-        make_layout(make_shape(int32_t(256), int32_t(args.k_pad / 8), int32_t(args.m_pad / 64)),
-                    make_stride(_1{}, _256{}, int64_t(args.k_pad) * 32)));
-    Tensor tB = make_tensor(ptrB0,
-        make_layout(make_shape(int32_t(1), int32_t(args.k_real), int32_t(1)),
+  static Params to_underlying_arguments(ProblemShape, Arguments const& args, void*) {
+    Tensor tA = make_tensor(args.w_blocks,
+        make_layout(make_shape(int32_t(256), int32_t(args.k_pad / 8), int32_t(args.m_pad / 64), int32_t(args.num_experts)),
+                    make_stride(_1{}, _256{}, int64_t(args.k_pad) * 32, int64_t(args.m_pad) * args.k_pad / 2)));
+    Tensor tB = make_tensor(args.act,
+        make_layout(make_shape(int32_t(args.act_rows), int32_t(args.k_real), int32_t(1)),
                     make_stride(int64_t(args.k_real), _1{}, _0{})));
-    Tensor tS = make_tensor(ptrS0,
-        make_layout(make_shape(int32_t(args.m_pad), int32_t(args.k_pad / 32), int32_t(1)),
-                    make_stride(_1{}, int64_t(args.m_pad), _0{})));
+    Tensor tS = make_tensor(args.w_scales,
+        make_layout(make_shape(int32_t(args.m_pad), int32_t(args.k_pad / 32), int32_t(args.num_experts)),
+                    make_stride(_1{}, int64_t(args.m_pad), int64_t(args.m_pad) * args.k_pad / 32)));
     Params p{
       make_tma_copy(GmemTiledCopyA{}, tA, SmemLayoutA{}(_, _, _, Int<0>{}), TileShapeA{}, _1{}),
       make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutB{}(_, _, Int<0>{}),
                     make_shape(Int<TileN>{}, Int<TileK>{}), _1{}),
+      make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutB8{}, make_shape(_8{}, Int<TileK>{}), _1{}),
       make_tma_copy(GmemTiledCopyScale{}, tS, SmemLayoutScale{}(_, _, Int<0>{}),
                     make_shape(Int<TileM>{}, Int<Groups>{}), _1{}),
       TmaTransactionBytes,
-      workspace,
-      args.ptr_A, args.ptr_B, args.ptr_S, args.dB,
-      args.m_pad, args.k_pad, args.k_real};
+      args.offsets, args.num_experts, args.act_rows,
+      args.m_pad, args.k_pad, args.k_real, int(args.scale_max > kFastScaleMax)};
     return p;
   }
 
   template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int sm_count) {
-    return 3 * sizeof(cute::TmaDescriptor) * size_t(sm_count);
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
+    return 0;
   }
 
   template <class ProblemShape>
@@ -307,32 +292,35 @@ struct Mxfp4MoeMainloop {
   static bool can_implement(ProblemShape, Arguments const& args) {
     return args.m_pad > 0 && args.m_pad % TileM == 0 && args.k_pad > 0 && args.k_pad % 64 == 0 &&
            args.k_real > 0 && args.k_real % 32 == 0 && args.k_real <= args.k_pad &&
-           args.k_pad - args.k_real < 64 && args.ptr_A && args.ptr_B && args.ptr_S && args.dB;
+           args.k_pad - args.k_real < 64 && args.w_blocks && args.w_scales && args.act && args.offsets &&
+           args.num_experts > 0 && args.act_rows > 0;
   }
 
   // ----------------------------------------------------------------------------------------
   // Producer side
   // ----------------------------------------------------------------------------------------
+  // load_inputs: (gA, gB) carry the tile counts the kernel layer reads (shapes only; K and the
+  // weight rows are the same for every expert), then the three static TMA coordinate tensors and
+  // the current expert, its first act row and its end row, which tensors_perform_update sets.
   template <class ProblemShape_MNKL>
   CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_MNKL, Params const& p) const {
     using X = Underscore;
     auto [M, N, K, L] = problem_shape_MNKL;
-    // gA_mkl (first element, as the kernel layer expects): a counting tensor giving the (m, k) tile
-    // counts; the real A loads use the unit view (last element).
     Tensor mA = make_identity_tensor(make_shape(int32_t(p.m_pad), int32_t(p.k_pad), int32_t(1)));
-    Tensor mAu = p.tma_load_a.get_tma_tensor(make_shape(int32_t(256), int32_t(p.k_pad / 8), int32_t(p.m_pad / 64)));
-    Tensor gAu = local_tile(mAu, TileShapeA{}, make_coord(_0{}, _, _));   // (256, 8U, S, k, m)
-    Tensor mB = p.tma_load_b.get_tma_tensor(make_shape(int32_t(N), int32_t(p.k_real), int32_t(1)));
-    Tensor mS = p.tma_load_scale.get_tma_tensor(make_shape(int32_t(p.m_pad), int32_t(p.k_pad / 32), int32_t(1)));
+    Tensor mB = make_identity_tensor(make_shape(int32_t(N), int32_t(p.k_real), int32_t(1)));
     Tensor gA = local_tile(mA, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});   // (BM,BK,m,k,l)
     Tensor gB = local_tile(mB, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{});   // (BN,BK,n,k,l)
-    Tensor gS = local_tile(mS, make_shape(Int<TileM>{}, Int<Groups>{}), make_coord(_, _));  // (BM,G,m,kg,l)
-    return cute::make_tuple(gA, gB, gS, gAu);
+    Tensor mAu = p.tma_load_a.get_tma_tensor(
+        make_shape(int32_t(256), int32_t(p.k_pad / 8), int32_t(p.m_pad / 64), int32_t(p.num_experts)));
+    Tensor mS = p.tma_load_scale.get_tma_tensor(
+        make_shape(int32_t(p.m_pad), int32_t(p.k_pad / 32), int32_t(p.num_experts)));
+    Tensor mAct = p.tma_load_b.get_tma_tensor(make_shape(int32_t(p.act_rows), int32_t(p.k_real), int32_t(1)));
+    return cute::make_tuple(gA, gB, mAu, mS, mAct, int32_t(0), int32_t(0), int32_t(0));
   }
 
   template <class... Ts, class... TMs, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState smem_pipe_write,
-                           cute::tuple<Ts...> const& load_inputs, cute::tuple<TMs...> const& input_tensormaps,
+                           cute::tuple<Ts...> const& load_inputs, cute::tuple<TMs...> const&,
                            BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
                            int thread_idx, uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
@@ -340,17 +328,28 @@ struct Mxfp4MoeMainloop {
     Tensor sB = as_position_independent_swizzle_tensor(sB_);
     Tensor sS = make_tensor(make_smem_ptr(shared_tensors.smem_scale.data()), SmemLayoutScale{});
 
-    Tensor gAu = get<3>(load_inputs);
-    Tensor gB_nkl = get<1>(load_inputs);
-    Tensor gS_mkl = get<2>(load_inputs);
+    int32_t const e = get<5>(load_inputs);
+    int32_t const row0 = get<6>(load_inputs);
+    int32_t const row_end = get<7>(load_inputs);
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    // A tile that runs past its expert's rows loads B in 8-row chunks, and a chunk wholly past
+    // them from row act_rows: out of bounds, so TMA zero-fills it without reading memory. (One
+    // box over the tile would read the next expert's rows: at M=4096 the nearly empty second
+    // 128-token tile of half the experts made gpt-oss 7% slower.)
+    int32_t const b_row = row0 + int32_t(n_coord) * TileN;
+    bool const b_partial = TileN > 8 && b_row + TileN > row_end;
+    Tensor mAct = get<4>(load_inputs)(_, _, 0);                                                  // (rows,K)
+    auto block_tma_b8 = p.tma_load_b8.get_slice(0);
+    Tensor gA = local_tile(get<2>(load_inputs)(_, _, _, e), TileShapeA{}, make_coord(_0{}, _, m_coord));  // (256,8U,S,k)
+    Tensor gS = local_tile(get<3>(load_inputs)(_, _, e), make_shape(Int<TileM>{}, Int<Groups>{}),
+                           make_coord(m_coord, _));                                              // (BM,G,kg)
+    Tensor mB = domain_offset(make_coord(row0 + int32_t(n_coord) * TileN, 0, 0), get<4>(load_inputs));
+    Tensor gB = local_tile(mB(_, _, 0), make_shape(Int<TileN>{}, Int<TileK>{}), make_coord(0, _));  // (BN,BK,k)
     auto block_tma_a = p.tma_load_a.get_slice(0);
     auto block_tma_b = p.tma_load_b.get_slice(0);
     auto block_tma_s = p.tma_load_scale.get_slice(0);
-
-    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
-    Tensor gA = gAu(_, _, _, _, m_coord);                                  // (256, 8U, S, k)
-    Tensor gB = gB_nkl(_, _, n_coord, _, 0);
-    Tensor gS = gS_mkl(_, _, m_coord, _, 0);
+    Tensor tAgA = block_tma_a.partition_S(gA);
+    Tensor tAsA = block_tma_a.partition_D(sA);
     Tensor tBgB = block_tma_b.partition_S(gB);
     Tensor tBsB = block_tma_b.partition_D(sB);
     Tensor tSgS = block_tma_s.partition_S(gS);
@@ -364,10 +363,19 @@ struct Mxfp4MoeMainloop {
       int write_stage = smem_pipe_write.index();
       if (cute::elect_one_sync()) {
         int kt = *k_tile_iter;
-        copy(p.tma_load_a.with(get<0>(input_tensormaps), *tma_barrier, 0),
-             block_tma_a.partition_S(gA(_, _, _, kt)), block_tma_a.partition_D(sA(_, _, _, write_stage)));
-        copy(p.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, 0), tBgB(_, _, _, kt), tBsB(_, _, _, write_stage));
-        copy(p.tma_load_scale.with(get<2>(input_tensormaps), *tma_barrier, 0), tSgS(_, _, _, kt), tSsS(_, _, _, write_stage));
+        copy(p.tma_load_a.with(*tma_barrier, 0), tAgA(_, _, _, _, kt), tAsA(_, _, _, _, write_stage));
+        if (!b_partial) {
+          copy(p.tma_load_b.with(*tma_barrier, 0), tBgB(_, _, _, kt), tBsB(_, _, _, write_stage));
+        } else {
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < TileN / 8; ++j) {
+            int32_t const r = b_row + 8 * j < row_end ? b_row + 8 * j : p.act_rows;
+            Tensor gBj = local_tile(domain_offset(make_coord(r, 0), mAct), Shape<_8, Int<TileK>>{}, make_coord(0, kt));
+            Tensor sBj = local_tile(sB(_, _, write_stage), Shape<_8, Int<TileK>>{}, make_coord(j, 0));
+            copy(p.tma_load_b8.with(*tma_barrier, 0), block_tma_b8.partition_S(gBj), block_tma_b8.partition_D(sBj));
+          }
+        }
+        copy(p.tma_load_scale.with(*tma_barrier, 0), tSgS(_, _, _, kt), tSsS(_, _, _, write_stage));
       }
       ++k_tile_iter;
       ++smem_pipe_write;
@@ -413,39 +421,26 @@ struct Mxfp4MoeMainloop {
     int const slab = warp_group_idx;                                      // 64-row slab of the tile
     int const a_off = slab * 2048 * UnitsPerTile + wg_thread * 16;         // conflict-free 128-bit loads
     int const row0 = slab * 64 + (wg_thread / 32) * 16 + (wg_thread % 32) / 4;   // rows row0, row0+8
-    Mxfp4Lut const lut = Mxfp4Lut::make<(TileN <= 32)>();
 
-    // Loads stage `stage` (A words + scales) and converts the whole k tile into `frag`.
-    auto convert_tile = [&](int stage, auto& frag) {
+    // Loads stage `stage` (A words + scales) and converts the whole k tile into `frag`. The scale
+    // path is fixed per weight tensor (one branch per call, around the whole k loop; no per-byte
+    // tests): kSlow multiplies twice.
+    auto convert_tile = [&](auto slow, int stage, auto& frag) {
+      constexpr bool kSlow = decltype(slow)::value;
       uint32_t words[KBlocks];
       CUTLASS_PRAGMA_UNROLL
       for (int u = 0; u < UnitsPerTile; ++u) {
         uint4 v = *reinterpret_cast<uint4 const*>(sA_bytes + stage * TmaBytesA + a_off + u * 2048);
         words[4 * u + 0] = v.x; words[4 * u + 1] = v.y; words[4 * u + 2] = v.z; words[4 * u + 3] = v.w;
       }
-      // E8M0 -> bf16x2: bits (s << 7) in both halves = s * 0x00800080 (one IMAD); the rare bytes
-      // 0 (2^-127, a bf16 subnormal) and 255 (NaN) take the exact slow path, detected through the
-      // tile's min and max byte (2 instructions per byte; a per-byte ==0 / ==255 test took 3).
-      uint32_t sb[Groups][2];
       uint32_t sc[Groups][2];
-      uint32_t smin = 255u, smax = 0u;
       CUTLASS_PRAGMA_UNROLL
       for (int g = 0; g < Groups; ++g) {
         uint8_t const* sp = sS_bytes + stage * TmaBytesS + g * TileM + row0;
-        sb[g][0] = sp[0];
-        sb[g][1] = sp[8];
         CUTLASS_PRAGMA_UNROLL
         for (int h = 0; h < 2; ++h) {
-          sc[g][h] = sb[g][h] * 0x00800080u;
-          smin = min(smin, sb[g][h]);
-          smax = max(smax, sb[g][h]);
-        }
-      }
-      if (smin == 0u || smax == 255u) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int g = 0; g < Groups; ++g) {
-          sc[g][0] = mc_e8m0_to_bf16x2(sb[g][0]);
-          sc[g][1] = mc_e8m0_to_bf16x2(sb[g][1]);
+          uint32_t const sb = sp[8 * h];
+          sc[g][h] = kSlow ? mc_e8m0_to_bf16x2(sb) : mc_scale_fast(sb);
         }
       }
       Tensor frag_u32 = recast<uint32_t>(frag);                          // (4,1,KBlocks)
@@ -458,7 +453,11 @@ struct Mxfp4MoeMainloop {
         frag_u32(3, 0, kb) = words[kb];
 #else
         uint32_t f[4];
-        mc_e2m1x8_to_bf16(words[kb], f, lut);
+        mc_e2m1x8_to_bf16(words[kb], f);
+        if constexpr (kSlow) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < 4; ++i) f[i] = mc_mul_bf16x2(f[i], kUnbias);
+        }
         uint32_t const s0 = sc[kb / 2][0], s1 = sc[kb / 2][1];
         frag_u32(0, 0, kb) = mc_mul_bf16x2(f[0], s0);
         frag_u32(1, 0, kb) = mc_mul_bf16x2(f[1], s1);
@@ -467,7 +466,6 @@ struct Mxfp4MoeMainloop {
 #endif
       }
     };
-
     // Software pipeline over k tiles with two A register sets: the GMMAs of tile t (set t%2)
     // run while tile t+1 is loaded and converted into the other set; then wait<0> and release
     // tile t's stage. In-flight GMMAs never read registers being written (no C7513
@@ -485,54 +483,61 @@ struct Mxfp4MoeMainloop {
     warpgroup_fence_operand(accum);
     if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
     if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
-    {
-      auto token = pipeline.consumer_try_wait(smem_pipe_read);
-      pipeline.consumer_wait(smem_pipe_read, token);
-      convert_tile(smem_pipe_read.index(), tCrA0);
-    }
-    auto step = [&](auto& frag_now, auto& frag_next) {
-      int const stage = smem_pipe_read.index();
-      warpgroup_fence_operand(frag_now);
-      warpgroup_fence_operand(accum);
-      if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
-      if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
-      warpgroup_arrive();
-      CUTLASS_PRAGMA_UNROLL
-      for (int kb = 0; kb < KBlocks; ++kb) {
-#ifdef MC_PROBE_NO_MMA   // development probe only: the pipeline without tensor-core work
-        if (kb >= 0) continue;
-#endif
-        if (kb % NumAcc == 0) {
-          cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), accum);
-        } else if (kb % NumAcc == 1) {
-          cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc1);
-        } else if (kb % NumAcc == 2) {
-          cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc2);
-        } else {
-          cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc3);
-        }
-      }
-      warpgroup_commit_batch();
-      ++smem_pipe_read;
-      if (k_tile_count > 1) {
+    auto run = [&](auto slow) {
+      {
         auto token = pipeline.consumer_try_wait(smem_pipe_read);
         pipeline.consumer_wait(smem_pipe_read, token);
-        convert_tile(smem_pipe_read.index(), frag_next);
+        convert_tile(slow, smem_pipe_read.index(), tCrA0);
       }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(accum);
-      if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
-      if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
-      pipeline.consumer_release(smem_pipe_release);
-      ++smem_pipe_release;
-      --k_tile_count;
+      auto step = [&](auto& frag_now, auto& frag_next) {
+        int const stage = smem_pipe_read.index();
+        warpgroup_fence_operand(frag_now);
+        warpgroup_fence_operand(accum);
+        if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
+        if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
+        warpgroup_arrive();
+        CUTLASS_PRAGMA_UNROLL
+        for (int kb = 0; kb < KBlocks; ++kb) {
+#ifdef MC_PROBE_NO_MMA   // development probe only: the pipeline without tensor-core work
+          if (kb >= 0) continue;
+#endif
+          if (kb % NumAcc == 0) {
+            cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), accum);
+          } else if (kb % NumAcc == 1) {
+            cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc1);
+          } else if (kb % NumAcc == 2) {
+            cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc2);
+          } else {
+            cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc3);
+          }
+        }
+        warpgroup_commit_batch();
+        ++smem_pipe_read;
+        if (k_tile_count > 1) {
+          auto token = pipeline.consumer_try_wait(smem_pipe_read);
+          pipeline.consumer_wait(smem_pipe_read, token);
+          convert_tile(slow, smem_pipe_read.index(), frag_next);
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(accum);
+        if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
+        if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
+        pipeline.consumer_release(smem_pipe_release);
+        ++smem_pipe_release;
+        --k_tile_count;
+      };
+      CUTLASS_PRAGMA_NO_UNROLL
+      while (true) {
+        step(tCrA0, tCrA1);
+        if (k_tile_count == 0) break;
+        step(tCrA1, tCrA0);
+        if (k_tile_count == 0) break;
+      }
     };
-    CUTLASS_PRAGMA_NO_UNROLL
-    while (true) {
-      step(tCrA0, tCrA1);
-      if (k_tile_count == 0) break;
-      step(tCrA1, tCrA0);
-      if (k_tile_count == 0) break;
+    if (p.slow_scales) {
+      run(cute::true_type{});
+    } else {
+      run(cute::false_type{});
     }
     if constexpr (NumAcc == 2) {
       CUTLASS_PRAGMA_UNROLL
@@ -550,74 +555,32 @@ struct Mxfp4MoeMainloop {
   }
 
   // ----------------------------------------------------------------------------------------
-  // Tensormap handling (per-SM descriptor copies in the workspace)
+  // Kernel-layer hooks of the ptr-array kernels. The descriptors never change (static, over all
+  // experts), so there is nothing to copy, replace or fence per group: only the expert index and
+  // its first act row, which load() reads from load_inputs.
   // ----------------------------------------------------------------------------------------
-  CUTLASS_DEVICE auto tensormaps_init(Params const& p, TensorMapStorage& shared_tensormaps,
-                                      int32_t sm_count, int32_t sm_idx) {
-    cute::TmaDescriptor* gmem_tensormap = reinterpret_cast<cute::TmaDescriptor*>(p.tensormaps);
-    cute::TmaDescriptor* tma_desc_a = &gmem_tensormap[sm_idx];
-    cute::TmaDescriptor* tma_desc_b = &gmem_tensormap[sm_idx + sm_count];
-    cute::TmaDescriptor* tma_desc_s = &gmem_tensormap[sm_idx + 2 * sm_count];
-    Tensor pA = make_tensor(p.tma_load_a.get_tma_descriptor(), Int<1>{}, Int<1>{});
-    Tensor sA = make_tensor(make_smem_ptr(&shared_tensormaps.smem_tensormap_A), Int<1>{}, Int<1>{});
-    Tensor pB = make_tensor(p.tma_load_b.get_tma_descriptor(), Int<1>{}, Int<1>{});
-    Tensor sB = make_tensor(make_smem_ptr(&shared_tensormaps.smem_tensormap_B), Int<1>{}, Int<1>{});
-    Tensor pS = make_tensor(p.tma_load_scale.get_tma_descriptor(), Int<1>{}, Int<1>{});
-    Tensor sS = make_tensor(make_smem_ptr(&shared_tensormaps.smem_tensormap_scale), Int<1>{}, Int<1>{});
-    if (cute::elect_one_sync()) {
-      copy(recast<uint128_t>(pA), recast<uint128_t>(sA));
-      copy(recast<uint128_t>(pB), recast<uint128_t>(sB));
-      copy(recast<uint128_t>(pS), recast<uint128_t>(sS));
-    }
-    __syncwarp();
-    return cute::make_tuple(tma_desc_a, tma_desc_b, tma_desc_s);
+  CUTLASS_DEVICE auto tensormaps_init(Params const&, TensorMapStorage&, int32_t, int32_t) {
+    return cute::make_tuple(nullptr);
   }
 
   template <class... TMs, class ProblemShape_MNKL>
-  CUTLASS_DEVICE void tensormaps_perform_update(TensorMapStorage& shared_tensormaps, Params const& p,
-                                                cute::tuple<TMs...> const&, ProblemShape_MNKL problem_shape_mnkl,
-                                                int32_t next_group) {
-    if (cute::elect_one_sync()) {
-      cute::tma_descriptor_replace_addr_in_shared_mem(shared_tensormaps.smem_tensormap_A,
-                                                      reinterpret_cast<uint8_t const*>(p.ptr_A[next_group]));
-      cute::tma_descriptor_replace_addr_in_shared_mem(shared_tensormaps.smem_tensormap_B, p.ptr_B[next_group]);
-      cute::tma_descriptor_replace_addr_in_shared_mem(shared_tensormaps.smem_tensormap_scale, p.ptr_S[next_group]);
-      // B: (rows_e, K_real) with this group's row stride
-      uint32_t const N = get<1>(problem_shape_mnkl);
-      cute::array<uint32_t, 5> shape_B = {1, 1, 1, 1, 1};
-      cute::array<uint64_t, 5> stride_B = {0, 0, 0, 0, 0};
-      ElementB const* ptr_B = nullptr;
-      Tensor tensor_b = make_tensor(ptr_B, make_layout(make_shape(int32_t(N), int32_t(p.k_real), int32_t(1)),
-                                                       p.ptr_dB[next_group]));
-      cute::detail::fill_tma_gmem_shape_stride(p.tma_load_b, tensor_b, shape_B, stride_B);
-      for (uint64_t& s : stride_B) { s = s * sizeof(ElementB); }
-      cute::tma_descriptor_replace_dims_strides_in_shared_mem(shared_tensormaps.smem_tensormap_B, shape_B, stride_B);
-    }
-  }
+  CUTLASS_DEVICE void tensormaps_perform_update(TensorMapStorage&, Params const&, cute::tuple<TMs...> const&,
+                                                ProblemShape_MNKL, int32_t) {}
 
   template <class... TMs>
-  CUTLASS_DEVICE void tensormaps_cp_fence_release(TensorMapStorage& shared_tensormaps,
-                                                  cute::tuple<TMs...> const& input_tensormaps) {
-    if (cute::elect_one_sync()) {
-      cute::tma_desc_commit_group();
-      cute::tma_desc_wait_group();
-    }
-    tma_descriptor_cp_fence_release(get<0>(input_tensormaps), shared_tensormaps.smem_tensormap_A);
-    tma_descriptor_cp_fence_release(get<1>(input_tensormaps), shared_tensormaps.smem_tensormap_B);
-    tma_descriptor_cp_fence_release(get<2>(input_tensormaps), shared_tensormaps.smem_tensormap_scale);
-  }
+  CUTLASS_DEVICE void tensormaps_cp_fence_release(TensorMapStorage&, cute::tuple<TMs...> const&) {}
 
   template <class... TMs>
-  CUTLASS_DEVICE void tensormaps_fence_acquire(cute::tuple<TMs...> const& input_tensormaps) {
-    cute::tma_descriptor_fence_acquire(get<0>(input_tensormaps));
-    cute::tma_descriptor_fence_acquire(get<1>(input_tensormaps));
-    cute::tma_descriptor_fence_acquire(get<2>(input_tensormaps));
-  }
+  CUTLASS_DEVICE void tensormaps_fence_acquire(cute::tuple<TMs...> const&) {}
 
   template <class InputTensors, class ProblemShape_MNKL>
-  CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const& input_tensors, Params const&,
-                                                     ProblemShape_MNKL, int32_t) {
-    return input_tensors;
+  CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const& input_tensors, Params const& p,
+                                                     ProblemShape_MNKL, int32_t next_group) {
+    InputTensors updated = input_tensors;
+    get<5>(updated) = next_group;
+    get<6>(updated) = p.offsets[next_group];
+    get<7>(updated) = p.offsets[next_group + 1];
+    return updated;
   }
 };
 

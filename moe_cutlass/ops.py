@@ -1,0 +1,330 @@
+"""The MoE layer as torch ops: moe_cutlass::fused_moe, and moe_cutlass::fused_moe_out that writes `out`.
+
+Tracing (torch.compile, torch.export, FakeTensorMode) sees the layer as one opaque op: its fake
+implementation gives the output from the inputs' shapes (a symbolic M included) and touches no
+data, and the real one launches the kernels through ctypes at run time, which Dynamo could not
+trace. An op takes tensors and scalars only, so PreparedExperts travels as its weight tensors,
+the int entries of its weight dicts and (E, H, I), and a Workspace as (buffer, max_tokens);
+the ops rebuild both. Without a workspace the ops use fused_moe's per-stream cache.
+
+An eager fused_moe call skips the dispatcher: it runs this module's checks and `launch` itself.
+"""
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+
+from . import _gemm, _lib, layout
+from ._checks import ACTIVATIONS, INDEX_DTYPES, check_int, check_layer_options, check_tensor
+from ._device import require_sm90
+from .experts import PreparedExperts
+from .workspace import GEMM_KINDS, Workspace, cached_workspace, pieces
+
+# The int entries of a prepared weight dict (layout.py), each passed to the ops as the int argument
+# <weight>_<key>, with the value that a dict without the entry means (as _gemm reads it).
+WEIGHT_INTS = {"scale_max": _gemm.MAX_SCALE_BYTE}
+WEIGHT_TENSORS = ("blocks", "scales", "bias")  # bias only in a layer with biases
+
+
+# ---- argument checks, shared by eager fused_moe and the ops ----
+
+def check_experts(experts) -> None:
+    if not isinstance(experts, PreparedExperts):
+        raise TypeError(f"experts: expected the PreparedExperts that moe_cutlass.prepare_experts returns, "
+                        f"got {type(experts).__name__}")
+
+
+def _check_workspace_type(workspace) -> None:
+    if workspace is not None and not isinstance(workspace, Workspace):
+        raise TypeError(f"workspace: expected a moe_cutlass.Workspace (allocate_workspace returns one) or None, "
+                        f"got {type(workspace).__name__}")
+
+
+def check_args(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
+               routed_scaling_factor, expert_map, out, workspace) -> None:
+    """Raise, naming the argument, unless fused_moe can run on these (metadata only: fake tensors pass)."""
+    args = (hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
+            routed_scaling_factor, expert_map, out, workspace)
+    if not _plainly_valid(*args):
+        _check_each(*args)
+
+
+def _finite(x) -> bool:
+    return type(x) in (float, int) and math.isfinite(x)
+
+
+def _on(t, device, dtype, ndim) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == dtype and t.dim() == ndim and t.is_contiguous() \
+        and t.device == device
+
+
+def _plainly_valid(hidden, experts, weights, ids, activation, limit, alpha, scale, expert_map, out, workspace) -> bool:
+    """True only when every check of _check_each passes, tested in one expression: a valid call costs
+    about a microsecond here, and only an invalid one pays for _check_each and its message."""
+    if type(experts) is not PreparedExperts or not isinstance(hidden, torch.Tensor) or not isinstance(ids, torch.Tensor):
+        return False
+    device, M = hidden.device, hidden.shape[0] if hidden.dim() == 2 else -1
+    return (device.type == "cuda" and _on(hidden, device, torch.bfloat16, 2) and hidden.shape[1] == experts.hidden_size
+            and ids.dtype in INDEX_DTYPES and ids.dim() == 2 and ids.shape[0] == M and ids.is_contiguous()
+            and ids.device == device and _on(weights, device, torch.float32, 2) and weights.shape == ids.shape
+            and activation in ACTIVATIONS and (limit is None or (_finite(limit) and limit > 0)) and _finite(alpha)
+            and _finite(scale) and (expert_map is None or _on(expert_map, device, torch.int32, 1))
+            and (out is None or (_on(out, device, torch.bfloat16, 2) and out.shape == hidden.shape))
+            and (workspace is None or (type(workspace) is Workspace and _on(workspace.buffer, device, torch.uint8, 1)
+                                       and type(workspace.max_tokens) is int and workspace.max_tokens >= M))
+            and experts.device == device)
+
+
+def _check_each(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
+                routed_scaling_factor, expert_map, out, workspace) -> None:
+    check_experts(experts)
+    H = experts.hidden_size
+    check_tensor("hidden_states", hidden_states, dtype=torch.bfloat16, shape=("M", H), contiguous=True)
+    M = hidden_states.shape[0]
+    check_tensor("topk_ids", topk_ids, dtype=INDEX_DTYPES, shape=(M, "k"), contiguous=True)
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_ids.shape), contiguous=True)
+    check_layer_options(activation, swiglu_limit, swiglu_alpha, routed_scaling_factor)
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, dtype=torch.int32, shape=("E_global",), contiguous=True)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(M, H), contiguous=True)
+    _check_workspace_type(workspace)
+    if workspace is not None:
+        check_tensor("workspace.buffer", workspace.buffer, dtype=torch.uint8, ndim=1, contiguous=True)
+        check_int("workspace.max_tokens", workspace.max_tokens, 0)
+        if workspace.max_tokens < M:
+            raise ValueError(f"workspace: sized for up to {workspace.max_tokens} tokens, got a call with {M}")
+    device = hidden_states.device
+    if device.type != "cuda":
+        raise ValueError(f"hidden_states: expected a CUDA tensor on an SM90 GPU, got one on {device}")
+    named = {"topk_ids": topk_ids, "topk_weights": topk_weights, "expert_map": expert_map, "out": out,
+             "workspace": None if workspace is None else workspace.buffer}
+    for name, t in named.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (where hidden_states is), got {t.device}")
+    if experts.device != device:
+        raise ValueError(f"experts: prepared on {experts.device}, hidden_states on {device}; "
+                         f"move them with experts.to({str(device)!r})")
+
+
+def check_pointers(hidden_states, out, workspace) -> None:
+    """The kernels move rows in 16-byte vectors (real tensors only: fake ones have no address)."""
+    buffer = None if workspace is None else workspace.buffer
+    for name, t in (("hidden_states", hidden_states), ("out", out), ("workspace", buffer)):
+        if t is not None and t.data_ptr() % 16:
+            raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
+
+
+def _check_weights(experts, device) -> None:
+    """What the ops take on trust from nobody: weight tensors that match (E, H, I) (prepare_experts's do)."""
+    E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+    check_int("num_experts", E, 1)
+    for name, size in (("hidden_size", H), ("intermediate_size", I)):
+        check_int(name, size, 32)
+        if size % 32:
+            raise ValueError(f"{name}: expected a multiple of 32 (one MX block), got {size}")
+    for weight, prepared, N, K in (("w13", experts.w13, 2 * I, H), ("w2", experts.w2, H, I)):
+        shapes = layout.prepared_shapes(E, N, K)
+        dtypes = {"blocks": torch.uint8, "scales": torch.uint8, "bias": torch.float32}
+        for key in WEIGHT_TENSORS:
+            if key in prepared:
+                check_tensor(f"{weight}_{key}", prepared[key], dtype=dtypes[key], shape=shapes[key], device=device,
+                             contiguous=True)
+
+
+# ---- the kernels ----
+
+class _Kernels(NamedTuple):
+    """The C functions of one call, with their names for error messages."""
+
+    expand: object
+    gemm1: object
+    gemm2: object
+    finalize: object
+    names: tuple
+
+
+@functools.lru_cache(maxsize=1024)
+def _kernels(slots: int, E: int, ids_dtype: torch.dtype) -> _Kernels:
+    # The GEMM tiles follow the rows per expert, which the host knows only on average (slots / E).
+    names = ("mc_expand_i32" if ids_dtype == torch.int32 else "mc_expand_i64",
+             *(f"mc_sm90_{_gemm.pick_config(kind, slots, E, _gemm.configs_of(kind))}" for kind in GEMM_KINDS),
+             "mc_finalize")
+    return _Kernels(*(_lib.library().function(name) for name in names), names)
+
+
+def _failed(status: int, name: str) -> RuntimeError:
+    return RuntimeError(f"{name} failed: {_lib.library().error_string(status)} (CUDA error {status})")
+
+
+def launch(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
+           routed_scaling_factor, expert_map, out, workspace) -> None:
+    """The layer on arguments that check_args and check_pointers passed, on the current stream:
+    expand -> GEMM1 (+ activation) -> GEMM2 (x routing weight) -> finalize into `out`."""
+    if topk_ids.shape[0] == 0:
+        return
+    index = hidden_states.device.index
+    require_sm90(index)
+    if index == torch.cuda.current_device():
+        _launch(index, hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
+                routed_scaling_factor, expert_map, out, workspace)
+    else:
+        with torch.cuda.device(index):  # the kernels launch on the current device
+            _launch(index, hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
+                    routed_scaling_factor, expert_map, out, workspace)
+
+
+def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
+            routed_scaling_factor, expert_map, out, workspace):
+    M, k = topk_ids.shape
+    E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+    # The raw handle, without building a torch.cuda.Stream object (host time is the point here).
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    if workspace is None:
+        workspace = cached_workspace(M, k, E, H, I, index, stream)
+    p = pieces(workspace.max_tokens, k, E, H, I, index)
+    if workspace.buffer.numel() < p.total:
+        raise ValueError(f"workspace: expected a buffer of at least {p.total} bytes for max_tokens="
+                         f"{workspace.max_tokens}, top_k={k}, E={E}, H={H}, I={I} (moe_cutlass.workspace_size), "
+                         f"got {workspace.buffer.numel()}")
+    kernels = _kernels(M * k, E, topk_ids.dtype)
+    ws = workspace.buffer.data_ptr()
+    status = kernels.expand(
+        topk_ids.data_ptr(), topk_weights.data_ptr(), M, k, None if expert_map is None else expert_map.data_ptr(),
+        0 if expert_map is None else expert_map.numel(), E, hidden.data_ptr(), H, H, ws + p.expert_counts,
+        ws + p.expert_offsets, ws + p.sorted_slots, ws + p.slot_to_row, ws + p.gathered, H, ws + p.row_weights,
+        ws + p.expand_workspace, p.expand_workspace_ints, stream)
+    if status:
+        raise _failed(status, kernels.names[0])
+    # The GEMMs' TMA descriptors span whole pieces (max_tokens * k rows), not this batch's rows:
+    # rows past an expert are read and masked, and the extent stays the same from call to call.
+    rows = workspace.max_tokens * k
+    status = _gemm.launch(
+        kernels.gemm1, experts.w13, ws + p.gathered, rows, ws + p.expert_offsets, None, ws + p.inter, E, 2 * I, H,
+        ws + p.gemm1_workspace, p.gemm_workspace_bytes[0], stream, _gemm.ACTIVATIONS[activation], swiglu_alpha,
+        swiglu_limit)
+    if status:
+        raise _failed(status, kernels.names[1])
+    # The gathered rows are dead once GEMM1 has read them: GEMM2 writes its rows there.
+    status = _gemm.launch(
+        kernels.gemm2, experts.w2, ws + p.inter, rows, ws + p.expert_offsets, ws + p.row_weights, ws + p.gathered, E, H, I,
+        ws + p.gemm2_workspace, p.gemm_workspace_bytes[1], stream)
+    if status:
+        raise _failed(status, kernels.names[2])
+    status = kernels.finalize(ws + p.gathered, H, M * k, ws + p.slot_to_row, M, k, H, float(routed_scaling_factor),
+                              out.data_ptr(), H, stream)
+    if status:
+        raise _failed(status, kernels.names[3])
+
+
+# ---- the ops ----
+
+def _weight_schema(weight: str) -> str:
+    return ", ".join([f"Tensor {weight}_blocks", f"Tensor {weight}_scales", f"Tensor? {weight}_bias",
+                      *(f"int {weight}_{key}" for key in WEIGHT_INTS)])
+
+
+_SCHEMA = (f"Tensor hidden_states, {_weight_schema('w13')}, {_weight_schema('w2')}, int num_experts, int hidden_size, "
+           "int intermediate_size, Tensor topk_weights, Tensor topk_ids, str activation, float? swiglu_limit, "
+           "float swiglu_alpha, float routed_scaling_factor, Tensor? expert_map, Tensor(a!)? workspace, "
+           "int workspace_max_tokens")
+_PER_WEIGHT = len(WEIGHT_TENSORS) + len(WEIGHT_INTS)
+
+
+def _weight_args(weight: str, prepared: dict) -> tuple:
+    for key in prepared:
+        if key not in WEIGHT_TENSORS and key not in WEIGHT_INTS:
+            raise ValueError(f"experts.{weight}: entry {key!r} has no argument in the moe_cutlass ops "
+                             f"(moe_cutlass/ops.py WEIGHT_INTS)")
+    return (prepared["blocks"], prepared["scales"], prepared.get("bias"),
+            *(int(prepared.get(key, default)) for key, default in WEIGHT_INTS.items()))
+
+
+def _weights(args) -> dict:
+    """_weight_args's inverse."""
+    blocks, scales, bias, *ints = args
+    prepared = {"blocks": blocks, "scales": scales}
+    if bias is not None:
+        prepared["bias"] = bias
+    prepared.update(zip(WEIGHT_INTS, ints))
+    return prepared
+
+
+def op_args(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
+            routed_scaling_factor, expert_map, workspace) -> tuple:
+    """fused_moe's arguments (without out) as the ops take them."""
+    check_experts(experts)
+    _check_workspace_type(workspace)
+    return (hidden_states, *_weight_args("w13", experts.w13), *_weight_args("w2", experts.w2), experts.num_experts,
+            experts.hidden_size, experts.intermediate_size, topk_weights, topk_ids, activation, swiglu_limit,
+            swiglu_alpha, routed_scaling_factor, expert_map,
+            *((None, 0) if workspace is None else (workspace.buffer, workspace.max_tokens)))
+
+
+def _layer_args(args) -> dict:
+    """op_args's inverse, as fused_moe's keyword arguments."""
+    hidden_states, rest = args[0], args[1:]
+    w13, w2, rest = _weights(rest[:_PER_WEIGHT]), _weights(rest[_PER_WEIGHT:2 * _PER_WEIGHT]), rest[2 * _PER_WEIGHT:]
+    E, H, I, topk_weights, topk_ids, activation, limit, alpha, scale, expert_map, buffer, max_tokens = rest
+    return dict(hidden_states=hidden_states, experts=PreparedExperts(E, H, I, w13, w2), topk_weights=topk_weights,
+                topk_ids=topk_ids, activation=activation, swiglu_limit=limit, swiglu_alpha=alpha,
+                routed_scaling_factor=scale, expert_map=expert_map,
+                workspace=None if buffer is None else Workspace(buffer, max_tokens))
+
+
+def _checked(args, out) -> dict:
+    kw = _layer_args(args)
+    check_args(**kw, out=out)
+    _check_weights(kw["experts"], kw["hidden_states"].device)
+    return kw
+
+
+def _empty_out(kw) -> torch.Tensor:
+    hidden = kw["hidden_states"]
+    return torch.empty(hidden.shape[0], kw["experts"].hidden_size, dtype=torch.bfloat16, device=hidden.device)
+
+
+def _run(kw, out) -> None:
+    check_pointers(kw["hidden_states"], out, kw["workspace"])
+    launch(**kw, out=out)
+
+
+def _fused_moe(*args):
+    kw = _checked(args, None)
+    out = _empty_out(kw)
+    _run(kw, out)
+    return out
+
+
+def _fused_moe_fake(*args):
+    return _empty_out(_checked(args, None))
+
+
+def _fused_moe_out(*args):
+    *args, out = args
+    _run(_checked(args, out), out)
+
+
+def _fused_moe_out_fake(*args):
+    *args, out = args
+    _checked(args, out)
+
+
+torch.library.define("moe_cutlass::fused_moe", f"({_SCHEMA}) -> Tensor")
+torch.library.impl("moe_cutlass::fused_moe", "CompositeExplicitAutograd", _fused_moe)
+torch.library.register_fake("moe_cutlass::fused_moe", _fused_moe_fake)
+torch.library.define("moe_cutlass::fused_moe_out", f"({_SCHEMA}, Tensor(b!) out) -> ()")
+torch.library.impl("moe_cutlass::fused_moe_out", "CompositeExplicitAutograd", _fused_moe_out)
+torch.library.register_fake("moe_cutlass::fused_moe_out", _fused_moe_out_fake)
+
+
+def call(hidden_states, experts, topk_weights, topk_ids, activation="silu", swiglu_limit=None, swiglu_alpha=1.702,
+         routed_scaling_factor=1.0, expert_map=None, out=None, workspace=None):
+    """fused_moe through torch.ops.moe_cutlass, as tracing needs it."""
+    args = op_args(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
+                   routed_scaling_factor, expert_map, workspace)
+    if out is None:
+        return torch.ops.moe_cutlass.fused_moe(*args)
+    torch.ops.moe_cutlass.fused_moe_out(*args, out)
+    return out
