@@ -284,6 +284,7 @@ def run(args, impl=None):
             failures.append({"case": dataclasses.asdict(case), "relerr": result.relerr, "message": result.message})
             print(f"FAIL {case!r}: {result.message}", flush=True)
         if (i + 1) % 100 == 0:
+            mc.free_workspaces()  # one cached workspace per layer shape: 1000 shapes would pile up
             print(f"{i + 1} configurations, {len(failures)} failed, worst relerr {worst:.3e}", flush=True)
     seconds = time.monotonic() - started
     for failure in failures[: args.shrink]:
