@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import moe_cutlass as mc
+from tests.helpers import assert_close, random_experts, random_hidden, random_mxfp4, random_routing, run_checked
 
 pytestmark = pytest.mark.gpu
 
@@ -13,48 +14,6 @@ SHAPES = {  # (E, H, I, top_k), DESIGN.md section 5
     "dsv3": (256, 7168, 2048, 8),
 }
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 7, 33, 1000]
-MAX_RELERR = 1e-2
-
-
-def random_mxfp4(E, N, K, gen):
-    # Scales differ from block to block: a kernel applying one scale per tile must fail.
-    blocks = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device="cuda", generator=gen)
-    scales = torch.randint(116, 128, (E, N, K // 32), dtype=torch.uint8, device="cuda", generator=gen)
-    return blocks, scales
-
-
-def random_experts(E, H, I, gen, bias=False, gate_up="concat"):
-    w13 = random_mxfp4(E, 2 * I, H, gen)
-    w2 = random_mxfp4(E, H, I, gen)
-    biases = {}
-    if bias:
-        biases = dict(w13_bias=torch.randn(E, 2 * I, device="cuda", generator=gen),
-                      w2_bias=torch.randn(E, H, device="cuda", generator=gen) * 0.1)
-    return mc.prepare_experts(*w13, *w2, gate_up=gate_up, **biases)
-
-
-def random_routing(M, E, k, gen):
-    ids = torch.rand(M, E, device="cuda", generator=gen).topk(k, dim=1).indices.to(torch.int32)
-    weights = torch.rand(M, k, device="cuda", generator=gen).softmax(dim=1)
-    return weights, ids
-
-
-def random_hidden(M, H, gen):
-    return torch.randn(M, H, device="cuda", generator=gen).to(torch.bfloat16)
-
-
-def assert_close(out, ref):
-    assert torch.isfinite(out).all(), "output has NaN/Inf (unwritten rows?)"
-    err = ((out.float() - ref).norm() / ref.norm()).item()
-    assert err < MAX_RELERR, f"relative error {err:.3e}"
-
-
-def run_checked(x, experts, weights, ids, **kw):
-    """fused_moe into a poisoned output, compared with the reference."""
-    out = torch.full((x.shape[0], experts.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
-    mc.fused_moe(x, experts, weights, ids, out=out, **kw)
-    assert_close(out, mc.reference.fused_moe_float(x, experts, weights, ids, **kw))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -4,22 +4,7 @@ import pytest
 import torch
 
 from moe_cutlass.reference import fused_moe, fused_moe_float
-
-
-class StandInExperts:
-    """The slice of PreparedExperts the reference relies on, over plain float weights."""
-
-    def __init__(self, w13, w2, b13=None, b2=None):
-        self.num_experts, two_i, self.hidden_size = w13.shape
-        self.intermediate_size = two_i // 2
-        self._weights = (w13, w2, b13, b2)
-
-    def select(self, expert_ids):
-        picked = [None if w is None else w[list(expert_ids)] for w in self._weights]
-        return StandInExperts(*picked)
-
-    def dequantized(self):
-        return self._weights
+from tests.helpers import StandInExperts
 
 
 def _random_experts(e=3, h=32, i=32, bias=False, scale=1.0, seed=0):
