@@ -127,8 +127,10 @@ class MoeEpilogue {
           if (col < inter && n < n_rows) {
             float g = acc(ig), u = acc(iu);
             if (bias) { g += bias[m]; u += bias[m + 8]; }
-            g = fminf(g, L);
-            u = fminf(fmaxf(u, -L), L);
+            // Comparisons, not fminf/fmaxf: those return the other operand for a NaN, which
+            // would turn a NaN gate or up into the finite limit (numerics policy: NaN stays).
+            g = g > L ? L : g;
+            u = u > L ? L : (u < -L ? -L : u);
             float r;
             if (params.activation == 0) {
               r = g / (1.0f + __expf(-g)) * u;
