@@ -227,7 +227,7 @@ def _weight_schema(weight: str) -> str:
 
 _SCHEMA = (f"Tensor hidden_states, {_weight_schema('w13')}, {_weight_schema('w2')}, int num_experts, int hidden_size, "
            "int intermediate_size, Tensor topk_weights, Tensor topk_ids, str activation, float? swiglu_limit, "
-           "float swiglu_alpha, float routed_scaling_factor, Tensor? expert_map, Tensor(a!)? workspace, "
+           "float swiglu_alpha, float routed_scaling_factor, Tensor? expert_map, Tensor(a!) workspace, "
            "int workspace_max_tokens")
 _PER_WEIGHT = len(WEIGHT_TENSORS) + len(WEIGHT_INTS)
 
@@ -259,7 +259,15 @@ def op_args(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_l
     return (hidden_states, *_weight_args("w13", experts.w13), *_weight_args("w2", experts.w2), experts.num_experts,
             experts.hidden_size, experts.intermediate_size, topk_weights, topk_ids, activation, swiglu_limit,
             swiglu_alpha, routed_scaling_factor, expert_map,
-            *((None, 0) if workspace is None else (workspace.buffer, workspace.max_tokens)))
+            *_workspace_args(workspace, hidden_states.device))
+
+
+def _workspace_args(workspace, device) -> tuple:
+    # No workspace travels as an empty buffer, not as None: Inductor (torch 2.11) fails to lower an
+    # op whose optional mutable argument is None ("getitem is not an OpOverload").
+    if workspace is None:
+        return torch.empty(0, dtype=torch.uint8, device=device), 0
+    return workspace.buffer, workspace.max_tokens
 
 
 def _layer_args(args) -> dict:
@@ -270,7 +278,7 @@ def _layer_args(args) -> dict:
     return dict(hidden_states=hidden_states, experts=PreparedExperts(E, H, I, w13, w2), topk_weights=topk_weights,
                 topk_ids=topk_ids, activation=activation, swiglu_limit=limit, swiglu_alpha=alpha,
                 routed_scaling_factor=scale, expert_map=expert_map,
-                workspace=None if buffer is None else Workspace(buffer, max_tokens))
+                workspace=None if buffer.numel() == 0 else Workspace(buffer, max_tokens))
 
 
 def _checked(args, out) -> dict:
