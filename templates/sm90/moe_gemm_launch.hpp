@@ -1,13 +1,12 @@
 // moe_cutlass: launcher of one MXFP4 x BF16 MoE grouped GEMM configuration (SM90).
 //
-// Per call, on the caller's stream, nothing read back to the host (CUDA-graph capturable):
-//   1. mc_moe_setup_kernel: from expert_offsets (device) writes the per-expert problem shapes
-//      (Npad, rows_e, Kp) into the caller's workspace, for the grouped tile scheduler. Experts
-//      with rows_e <= 0 get N = 0 and are skipped.
-//   2. the CUTLASS ptr-array kernel (persistent, grid = #SMs): our mainloop (moe_gemm_mainloop.hpp)
-//      + our epilogue (moe_gemm_epilogue.hpp). Its TMA descriptors are static kernel parameters
-//      over all experts (nothing per group in the workspace); the scheduler's workspace is carved
-//      from the caller's: two launches in flight must not share one.
+// Per call, on the caller's stream, nothing read back to the host (CUDA-graph capturable): ONE
+// launch, the CUTLASS ptr-array kernel (persistent, grid = #SMs) with our mainloop
+// (moe_gemm_mainloop.hpp) and epilogue (moe_gemm_epilogue.hpp). Its grouped tile scheduler reads
+// the per-expert problem shapes through MoeProblemShape, straight from expand's offsets (a setup
+// kernel used to write them out first: one launch and ~1.5-3 us per GEMM at decode). Its TMA
+// descriptors are static kernel parameters over all experts; the scheduler's workspace is carved
+// from the caller's: two launches in flight must not share one.
 // Host work per call: argument checks, TMA descriptor encoding when the buffers changed
 // (GemmUniversalAdapter::initialize, cached), no device memory is read.
 #pragma once
@@ -37,6 +36,25 @@ constexpr int kRowPad = 128;
 constexpr int kKPad = 64;
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// The grouped GEMM's problem shapes, (Npad, rows_e, Kp) for expert e, computed from expert_offsets
+// where the kernel asks for them: the interface of cutlass::gemm::GroupProblemShape with
+// device-only shapes. Malformed offsets (negative, decreasing) give 0 rows: the expert is skipped.
+struct MoeProblemShape {
+  using UnderlyingProblemShape = Shape<int, int, int>;
+  int32_t num_groups = 1;
+  int32_t const* offsets = nullptr;
+  int32_t m_pad = 0;
+  int32_t k_pad = 0;
+
+  CUTLASS_HOST_DEVICE int32_t groups() const { return num_groups; }
+  CUTLASS_DEVICE UnderlyingProblemShape get_problem_shape(int32_t group) const {
+    int32_t const lo = offsets[group], hi = offsets[group + 1];
+    return {m_pad, (lo < 0 || hi < lo) ? 0 : hi - lo, k_pad};
+  }
+  CUTLASS_HOST_DEVICE UnderlyingProblemShape get_host_problem_shape(int32_t = 0) const { return {}; }
+  CUTLASS_HOST_DEVICE bool is_host_problem_shape_available() const { return false; }
+};
+
 template <int Kind, int TileM, int TileN, int TileK, bool Pingpong>
 struct MoeGemmConfig {
   using TileShape = Shape<Int<TileM>, Int<TileN>, Int<TileK>>;
@@ -50,42 +68,25 @@ struct MoeGemmConfig {
   static_assert(Stages >= 2);
   using Mainloop = Mxfp4MoeMainloop<Stages, TileShape, Schedule>;
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<MoeEpilogue<Kind, TileShape>>;
-  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+  using ProblemShape = MoeProblemShape;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using UnderlyingShape = typename ProblemShape::UnderlyingProblemShape;
   using StrideAB = cute::Stride<int64_t, _1, _0>;
 };
 
-struct MoeSetupArgs {
-  void* shapes;            // UnderlyingShape[E]
-  int32_t const* offsets;
-  int32_t E, m_pad, k_pad;
-};
-
-// internal linkage: every instantiation TU has its own copy (one library, several configs)
-static __global__ void mc_moe_setup_kernel(MoeSetupArgs a) {
-  int e = blockIdx.x * blockDim.x + threadIdx.x;
-  if (e >= a.E) return;
-  int32_t lo = a.offsets[e], hi = a.offsets[e + 1];
-  int32_t rows = hi - lo;
-  if (lo < 0 || rows < 0) rows = 0;    // malformed offsets: skip the expert, never read out of bounds
-  int* sh = reinterpret_cast<int*>(a.shapes) + 3 * e;
-  sh[0] = a.m_pad; sh[1] = rows; sh[2] = a.k_pad;
-}
-
 struct MoeWorkspaceLayout {
-  size_t shapes, cutlass_ws, total;
+  size_t cutlass_ws, total;
 };
 
 inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 template <class Cfg>
-inline typename Cfg::Gemm::Arguments make_args(int E, int sm_count, void* shapes, typename Cfg::Mainloop::Arguments const& ml,
+inline typename Cfg::Gemm::Arguments make_args(int E, int sm_count, typename Cfg::Mainloop::Arguments const& ml,
                                                MoeEpilogueArguments const& epi) {
   typename Cfg::Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {E, reinterpret_cast<typename Cfg::UnderlyingShape*>(shapes), nullptr};
+  args.problem_shape = {E, ml.offsets, ml.m_pad, ml.k_pad};
   args.mainloop = ml;
   args.epilogue = epi;
   args.hw_info.device_id = 0;
@@ -97,11 +98,10 @@ template <class Cfg>
 inline MoeWorkspaceLayout workspace_layout(int E, int sm_count) {
   MoeWorkspaceLayout L;
   size_t o = 0;
-  L.shapes = o; o = align_up(o + size_t(E) * 12, 128);
   L.cutlass_ws = o;
   typename Cfg::Mainloop::Arguments ml{};
   MoeEpilogueArguments epi{};
-  auto args = make_args<Cfg>(E, sm_count, nullptr, ml, epi);
+  auto args = make_args<Cfg>(E, sm_count, ml, epi);
   o = align_up(o + Cfg::Gemm::get_workspace_size(args), 128);
   L.total = o;
   return L;
@@ -172,14 +172,6 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
   if (workspace_bytes < L.total) return kInvalid;
   uint8_t* ws = reinterpret_cast<uint8_t*>(workspace);
 
-  MoeSetupArgs sa;
-  sa.shapes = ws + L.shapes;
-  sa.offsets = expert_offsets;
-  sa.E = E; sa.m_pad = m_pad; sa.k_pad = k_pad;
-  mc_moe_setup_kernel<<<(E + 127) / 128, 128, 0, stream>>>(sa);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return int(err);
-
   MoeEpilogueArguments epi;
   epi.out = out;
   epi.bias = bias;
@@ -220,7 +212,7 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
     ml.k_pad = k_pad;
     ml.k_real = K;
     ml.scale_max = scale_max;
-    auto args = make_args<Cfg>(E, sms, sa.shapes, ml, epi);
+    auto args = make_args<Cfg>(E, sms, ml, epi);
     typename Cfg::Gemm gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) return kInvalid;
     if (gemm.initialize(args, ws + L.cutlass_ws, stream) != cutlass::Status::kSuccess) return int(cudaErrorLaunchFailure);
@@ -231,11 +223,10 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
     cache.valid = true;
   }
   if (Cfg::Gemm::run(params, stream) != cutlass::Status::kSuccess) {
-    err = cudaGetLastError();
+    cudaError_t const err = cudaGetLastError();
     return err != cudaSuccess ? int(err) : int(cudaErrorLaunchFailure);
   }
-  err = cudaGetLastError();
-  return int(err);
+  return int(cudaGetLastError());
 }
 
 }  // namespace moe_cutlass
