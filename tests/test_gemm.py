@@ -305,8 +305,9 @@ def test_bad_arguments_return_errors():
     w = torch.ones(4, device="cuda")
     assert g.run(g.GEMM2_CONFIG, p, x, off, out, 64, 48, row_weights=w, check=False) != 0    # K % 32
     assert g.run(g.GEMM2_CONFIG, p, x, off, out, 64, 64, row_weights=None, check=False) != 0  # no row weights
-    small = torch.empty(16, dtype=torch.uint8, device="cuda")
-    assert g.run(g.GEMM2_CONFIG, p, x, off, out, 64, 64, row_weights=w, ws=small, check=False) != 0
+    # No per-launch device state is left (static descriptors, shapes from the offsets): the GEMMs
+    # need no workspace, and a NULL one is accepted.
+    assert all(g.workspace_size(c, 2) == 0 for c in CONFIGS1 + CONFIGS2)
     assert g.run(g.GEMM1_CONFIG, p, x, off, out, 64, 64, activation=5, check=False) != 0
     torch.cuda.synchronize()
 

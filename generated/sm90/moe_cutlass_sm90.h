@@ -52,7 +52,8 @@ const char* mc_error_string(int code);
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
  * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
- * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n32k128_coop_workspace_size(E, number of SMs of the device),
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n32k128_coop_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n32k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
@@ -76,7 +77,8 @@ size_t mc_sm90_moe_gemm1_m128n32k128_coop_shared_memory_bytes(void);
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
  * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
- * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n32k128_coop_workspace_size(E, number of SMs of the device),
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n32k128_coop_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n32k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
@@ -100,7 +102,8 @@ size_t mc_sm90_moe_gemm2_m128n32k128_coop_shared_memory_bytes(void);
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
  * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
- * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n64k128_coop_workspace_size(E, number of SMs of the device),
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n64k128_coop_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n64k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
@@ -124,7 +127,8 @@ size_t mc_sm90_moe_gemm1_m128n64k128_coop_shared_memory_bytes(void);
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
  * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
- * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n64k128_coop_workspace_size(E, number of SMs of the device),
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n64k128_coop_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n64k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
@@ -148,7 +152,8 @@ size_t mc_sm90_moe_gemm2_m128n64k128_coop_shared_memory_bytes(void);
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
  * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
- * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n128k128_coop_workspace_size(E, number of SMs of the device),
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n128k128_coop_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n128k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
@@ -172,7 +177,8 @@ size_t mc_sm90_moe_gemm1_m128n128k128_coop_shared_memory_bytes(void);
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
  * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
- * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n128k128_coop_workspace_size(E, number of SMs of the device),
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n128k128_coop_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n128k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
@@ -196,7 +202,8 @@ size_t mc_sm90_moe_gemm2_m128n128k128_coop_shared_memory_bytes(void);
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
  * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
- * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n16k256_coop_workspace_size(E, number of SMs of the device),
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n16k256_coop_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n16k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
@@ -220,7 +227,8 @@ size_t mc_sm90_moe_gemm1_m128n16k256_coop_shared_memory_bytes(void);
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
  * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
- * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n16k256_coop_workspace_size(E, number of SMs of the device),
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n16k256_coop_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n16k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
@@ -244,7 +252,8 @@ size_t mc_sm90_moe_gemm2_m128n16k256_coop_shared_memory_bytes(void);
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
  * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
- * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n8k256_coop_workspace_size(E, number of SMs of the device),
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n8k256_coop_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n8k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
@@ -268,7 +277,8 @@ size_t mc_sm90_moe_gemm1_m128n8k256_coop_shared_memory_bytes(void);
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
  * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
- * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n8k256_coop_workspace_size(E, number of SMs of the device),
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n8k256_coop_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n8k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,

@@ -14,7 +14,8 @@ extern "C" {
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
  * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
- * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n64k128_coop_workspace_size(E, number of SMs of the device),
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n64k128_coop_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n64k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
