@@ -9,8 +9,10 @@ the ops rebuild both. Without a workspace the ops use fused_moe's per-stream cac
 
 An eager fused_moe call skips the dispatcher: it runs this module's checks and `launch` itself.
 """
+import ctypes
 import functools
 import math
+import threading
 from typing import NamedTuple
 
 import torch
@@ -135,23 +137,45 @@ def _check_weights(experts, device) -> None:
 
 # ---- the kernels ----
 
-class _Kernels(NamedTuple):
-    """The C functions of one call, with their names for error messages."""
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
-    expand: object
-    gemm1: object
-    gemm2: object
-    finalize: object
+
+class LayerCall(ctypes.Structure):
+    """struct McLayerCall of templates/sm90/moe_layer_call.h, field by field: the argument block
+    of mc_layer, the one C call that launches expand -> GEMM1 -> GEMM2 -> finalize."""
+
+    _fields_ = [("hidden", _P), ("topk_ids", _P), ("topk_weights", _P), ("out", _P), ("num_tokens", _I64),
+                ("stream", _P), ("gemm1", _P), ("gemm2", _P),
+                ("ids_int64", _I64), ("top_k", _I64), ("num_experts", _I64), ("hidden_size", _I64),
+                ("intermediate_size", _I64), ("expert_map", _P), ("num_global_experts", _I64),
+                ("w13_blocks", _P), ("w13_scales", _P), ("w13_bias", _P), ("w13_scale_max", _I64),
+                ("w2_blocks", _P), ("w2_scales", _P), ("w2_bias", _P), ("w2_scale_max", _I64),
+                ("expert_counts", _P), ("expert_offsets", _P), ("sorted_slots", _P), ("slot_to_row", _P),
+                ("gathered", _P), ("row_weights", _P), ("expand_workspace", _P), ("expand_workspace_ints", _I64),
+                ("inter", _P), ("act_rows", _I64), ("gemm1_workspace", _P), ("gemm1_workspace_bytes", _I64),
+                ("gemm2_workspace", _P), ("gemm2_workspace_bytes", _I64), ("activation", _I64),
+                ("swiglu_alpha", _F32), ("swiglu_limit", _F32), ("routed_scaling_factor", _F32),
+                ("failed", ctypes.c_int32)]
+
+
+class _Gemms(NamedTuple):
+    """The GEMM configs of one call: entry addresses for mc_layer, names for error messages."""
+
+    gemm1: int
+    gemm2: int
     names: tuple
 
 
 @functools.lru_cache(maxsize=1024)
-def _kernels(slots: int, E: int, ids_dtype: torch.dtype) -> _Kernels:
+def _gemms(slots: int, E: int) -> _Gemms:
     # The GEMM tiles follow the rows per expert, which the host knows only on average (slots / E).
-    names = ("mc_expand_i32" if ids_dtype == torch.int32 else "mc_expand_i64",
-             *(f"mc_sm90_{_gemm.pick_config(kind, slots, E, _gemm.configs_of(kind))}" for kind in GEMM_KINDS),
-             "mc_finalize")
-    return _Kernels(*(_lib.library().function(name) for name in names), names)
+    names = tuple(f"mc_sm90_{_gemm.pick_config(kind, slots, E, _gemm.configs_of(kind))}" for kind in GEMM_KINDS)
+    lib = _lib.library()
+    return _Gemms(*(ctypes.cast(lib.function(n), ctypes.c_void_p).value for n in names), names)
+
+
+def _address(t):
+    return None if t is None else t.data_ptr()
 
 
 def _failed(status: int, name: str) -> RuntimeError:
@@ -175,47 +199,82 @@ def launch(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_li
                     routed_scaling_factor, expert_map, out, workspace)
 
 
-def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
-            routed_scaling_factor, expert_map, out, workspace):
-    M, k = topk_ids.shape
+# Argument blocks by everything they hold: the addresses of the weights, the workspace (with its
+# size and max_tokens, which fix the pieces) and the expert map, the options, and the thread (a
+# call rewrites its block's per-call fields). Addresses, not objects, so that the cache keeps no
+# memory alive: a block is valid for any tensors at those addresses.
+_CALLS_MAX = 256
+_calls = {}
+
+
+def _call_block(experts, workspace, k, ids_dtype, activation, swiglu_limit, swiglu_alpha, routed_scaling_factor,
+                expert_map, index):
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
-    # The raw handle, without building a torch.cuda.Stream object (host time is the point here).
-    stream = torch._C._cuda_getCurrentRawStream(index)
-    if workspace is None:
-        workspace = cached_workspace(M, k, E, H, I, index, stream)
     p = pieces(workspace.max_tokens, k, E, H, I, index)
     if workspace.buffer.numel() < p.total:
         raise ValueError(f"workspace: expected a buffer of at least {p.total} bytes for max_tokens="
                          f"{workspace.max_tokens}, top_k={k}, E={E}, H={H}, I={I} (moe_cutlass.workspace_size), "
                          f"got {workspace.buffer.numel()}")
-    kernels = _kernels(M * k, E, topk_ids.dtype)
     ws = workspace.buffer.data_ptr()
-    status = kernels.expand(
-        topk_ids.data_ptr(), topk_weights.data_ptr(), M, k, None if expert_map is None else expert_map.data_ptr(),
-        0 if expert_map is None else expert_map.numel(), E, hidden.data_ptr(), H, H, ws + p.expert_counts,
-        ws + p.expert_offsets, ws + p.sorted_slots, ws + p.slot_to_row, ws + p.gathered, H, ws + p.row_weights,
-        ws + p.expand_workspace, p.expand_workspace_ints, stream)
+    w13, w2 = experts.w13, experts.w2
+    return LayerCall(
+        ids_int64=ids_dtype == torch.int64, top_k=k, num_experts=E, hidden_size=H, intermediate_size=I,
+        expert_map=None if expert_map is None else expert_map.data_ptr(),
+        num_global_experts=0 if expert_map is None else expert_map.numel(),
+        w13_blocks=w13["blocks"].data_ptr(), w13_scales=w13["scales"].data_ptr(),
+        w13_bias=_address(w13.get("bias")),
+        w13_scale_max=w13.get("scale_max", _gemm.MAX_SCALE_BYTE),
+        w2_blocks=w2["blocks"].data_ptr(), w2_scales=w2["scales"].data_ptr(),
+        w2_bias=_address(w2.get("bias")),
+        w2_scale_max=w2.get("scale_max", _gemm.MAX_SCALE_BYTE),
+        expert_counts=ws + p.expert_counts, expert_offsets=ws + p.expert_offsets, sorted_slots=ws + p.sorted_slots,
+        slot_to_row=ws + p.slot_to_row, gathered=ws + p.gathered, row_weights=ws + p.row_weights,
+        expand_workspace=ws + p.expand_workspace, expand_workspace_ints=p.expand_workspace_ints,
+        # The GEMMs' TMA descriptors span whole pieces (max_tokens * k rows), not this batch's rows:
+        # rows past an expert are read and masked, and the extent stays the same from call to call.
+        inter=ws + p.inter, act_rows=workspace.max_tokens * k,
+        gemm1_workspace=ws + p.gemm1_workspace, gemm1_workspace_bytes=p.gemm_workspace_bytes[0],
+        gemm2_workspace=ws + p.gemm2_workspace, gemm2_workspace_bytes=p.gemm_workspace_bytes[1],
+        activation=_gemm.ACTIVATIONS[activation], swiglu_alpha=swiglu_alpha,
+        swiglu_limit=math.inf if swiglu_limit is None else swiglu_limit, routed_scaling_factor=routed_scaling_factor)
+
+
+def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
+            routed_scaling_factor, expert_map, out, workspace):
+    M, k = topk_ids.shape
+    # The raw handle, without building a torch.cuda.Stream object (host time is the point here).
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    if workspace is None:
+        workspace = cached_workspace(M, k, experts.num_experts, experts.hidden_size, experts.intermediate_size,
+                                     index, stream)
+    w13, w2 = experts.w13, experts.w2
+    key = (threading.get_ident(), experts.num_experts, experts.hidden_size, experts.intermediate_size,
+           w13["blocks"].data_ptr(), w13["scales"].data_ptr(), _address(w13.get("bias")), w13.get("scale_max"),
+           w2["blocks"].data_ptr(), w2["scales"].data_ptr(), _address(w2.get("bias")), w2.get("scale_max"),
+           workspace.buffer.data_ptr(), workspace.buffer.numel(), workspace.max_tokens, k, topk_ids.dtype,
+           activation, swiglu_limit, swiglu_alpha, routed_scaling_factor,
+           None if expert_map is None else (expert_map.data_ptr(), expert_map.numel()))
+    entry = _calls.get(key)
+    if entry is None:
+        if len(_calls) >= _CALLS_MAX:
+            del _calls[next(iter(_calls))]
+        block = _call_block(experts, workspace, k, topk_ids.dtype, activation, swiglu_limit, swiglu_alpha,
+                            routed_scaling_factor, expert_map, index)
+        entry = _calls[key] = (block, ctypes.addressof(block))
+    block, address = entry[0], entry[1]
+    gemms = _gemms(M * k, experts.num_experts)
+    block.hidden, block.topk_ids, block.topk_weights, block.out = (
+        hidden.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr(), out.data_ptr())
+    block.num_tokens, block.stream, block.gemm1, block.gemm2 = M, stream, gemms.gemm1, gemms.gemm2
+    status = _layer_function()(address)
     if status:
-        raise _failed(status, kernels.names[0])
-    # The GEMMs' TMA descriptors span whole pieces (max_tokens * k rows), not this batch's rows:
-    # rows past an expert are read and masked, and the extent stays the same from call to call.
-    rows = workspace.max_tokens * k
-    status = _gemm.launch(
-        kernels.gemm1, experts.w13, ws + p.gathered, rows, ws + p.expert_offsets, None, ws + p.inter, E, 2 * I, H,
-        ws + p.gemm1_workspace, p.gemm_workspace_bytes[0], stream, _gemm.ACTIVATIONS[activation], swiglu_alpha,
-        swiglu_limit)
-    if status:
-        raise _failed(status, kernels.names[1])
-    # The gathered rows are dead once GEMM1 has read them: GEMM2 writes its rows there.
-    status = _gemm.launch(
-        kernels.gemm2, experts.w2, ws + p.inter, rows, ws + p.expert_offsets, ws + p.row_weights, ws + p.gathered, E, H, I,
-        ws + p.gemm2_workspace, p.gemm_workspace_bytes[1], stream)
-    if status:
-        raise _failed(status, kernels.names[2])
-    status = kernels.finalize(ws + p.gathered, H, M * k, ws + p.slot_to_row, M, k, H, float(routed_scaling_factor),
-                              out.data_ptr(), H, stream)
-    if status:
-        raise _failed(status, kernels.names[3])
+        names = ("mc_expand_i64" if topk_ids.dtype == torch.int64 else "mc_expand_i32", *gemms.names, "mc_finalize")
+        raise _failed(status, names[block.failed])
+
+
+@functools.lru_cache(maxsize=1)
+def _layer_function():
+    return _lib.library().function("mc_layer")
 
 
 # ---- the ops ----

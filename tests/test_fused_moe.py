@@ -173,3 +173,26 @@ def test_forward_never_synchronizes():
         mc.fused_moe(x, experts, weights, ids, out=out)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_past_two_to_the_31_elements():
+    """dsv3 at M = 131072: 1M routed rows, gathered rows of 7.5e9 elements (64-bit indexing in
+    expand, both GEMMs and finalize); every row written, sampled rows against the reference."""
+    E, H, I, k = SHAPES["dsv3"]
+    M = 131072
+    gen = torch.Generator("cuda").manual_seed(31)
+    experts = random_experts(E, H, I, gen)
+    x = random_hidden(M, H, gen)
+    weights, ids = random_routing(M, E, k, gen)
+    out = torch.full((M, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mc.fused_moe(x, experts, weights, ids, out=out)
+    assert torch.isfinite(out).all(dim=1).all(), "unwritten rows"
+    rows = torch.tensor([0, 1, 65535, 65536, 77777, 100000, M - 2, M - 1], device="cuda")
+    used = torch.unique(ids[rows])  # the reference dequantizes only the experts these rows use
+    local = torch.full((E,), -1, dtype=torch.int32, device="cuda")
+    local[used] = torch.arange(used.numel(), dtype=torch.int32, device="cuda")
+    ref = mc.reference.fused_moe_float(x[rows], experts.select(used.tolist()), weights[rows], local[ids[rows]])
+    assert_close(out[rows], ref)
+    del experts, x, out
+    mc.free_workspaces()
+    torch.cuda.empty_cache()

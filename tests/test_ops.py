@@ -2,6 +2,7 @@
 
 The fake-tensor tests run anywhere (fake CUDA tensors need no GPU); GPU tests are marked `gpu`.
 """
+import ctypes
 import dataclasses
 
 import pytest
@@ -10,7 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_cutlass as mc
-from moe_cutlass import _gemm, layout, ops
+from moe_cutlass import _gemm, _lib, layout, ops
 from test_fused_moe import assert_close, random_experts, random_hidden, random_routing
 
 E, H, I, K = 8, 64, 32, 2
@@ -300,3 +301,16 @@ def test_compiled_router_and_layer_match_the_reference():
     compiled = torch.compile(RoutedMoE(experts, top_k=4), fullgraph=True)
     out, weights, ids = compiled(x)
     assert_close(out, mc.reference.fused_moe_float(x, experts, weights, ids))
+
+
+def test_layer_call_matches_the_c_struct():
+    """ops.LayerCall mirrors struct McLayerCall (templates/sm90/moe_layer_call.h) field by field: the
+    built library reports the compiler's offsets (no GPU needed to load it)."""
+    try:
+        lib = _lib.library()
+    except _lib.LibraryNotFound:
+        pytest.skip("the kernel library is not built")
+    fields = [name for name, _ in ops.LayerCall._fields_]
+    layout = (ctypes.c_int64 * (len(fields) + 1))()
+    lib.function("mc_layer_call_layout")(layout)
+    assert list(layout) == [getattr(ops.LayerCall, f).offset for f in fields] + [ctypes.sizeof(ops.LayerCall)]

@@ -31,6 +31,9 @@ size_t mc_sm90_moe_gemm1_m128n32k128_coop_shared_memory_bytes(void);
 
 // MXFP4 x BF16 MoE grouped GEMM: GEMM1, tile 128x32x128, cooperative.
 #include "moe_gemm_launch.hpp"
+#include "moe_layer_call.h"
+
+#include <type_traits>
 
 namespace {
 using Cfg = moe_cutlass::MoeGemmConfig<1, 128, 32, 128, false>;
@@ -44,6 +47,9 @@ extern "C" int mc_sm90_moe_gemm1_m128n32k128_coop(const void* w_blocks, const vo
                                                    E, N, K, scale_max, activation, swiglu_alpha, swiglu_limit, workspace,
                                                    workspace_bytes, stream);
 }
+
+static_assert(std::is_same_v<decltype(&mc_sm90_moe_gemm1_m128n32k128_coop), McGemmFn>,
+              "mc_layer calls every GEMM through McGemmFn (moe_layer_call.h): keep the two signatures equal");
 
 extern "C" size_t mc_sm90_moe_gemm1_m128n32k128_coop_workspace_size(int32_t E, int32_t num_sms) {
   return moe_cutlass::moe_gemm_workspace_size<Cfg>(E, num_sms);
