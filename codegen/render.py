@@ -34,7 +34,7 @@ _HEADER = """{banner}#pragma once
 #include <cuda_runtime_api.h>
 
 /* Every function returning int returns a cudaError_t value (0 = success), and every
- * launching function takes its cudaStream_t last. */
+ * launching function takes its cudaStream_t last (mc_layer: inside its argument block). */
 
 #ifdef __cplusplus
 extern "C" {{

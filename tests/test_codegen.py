@@ -70,9 +70,12 @@ def test_routing_abi():
     manifest = json.loads(render.render(ARCH).files[render.MANIFEST])
     routing = next(k for k in manifest["kernels"] if k["name"] == "routing")
     names = [fn["name"] for fn in routing["functions"]]
-    assert names == ["mc_expand_i32", "mc_expand_i64", "mc_expand_workspace_ints", "mc_finalize", "mc_error_string"]
+    assert names == ["mc_expand_i32", "mc_expand_i64", "mc_expand_workspace_ints", "mc_finalize", "mc_layer",
+                     "mc_layer_call_layout", "mc_error_string"]
     for fn in routing["functions"]:
-        if fn["return"] == "int":  # status-returning launchers take the stream last
+        if fn["name"] == "mc_layer":  # its stream travels in the argument block
+            assert [p["type"] for p in fn["params"]] == ["void*"]
+        elif fn["return"] == "int":  # status-returning launchers take the stream last
             assert fn["params"][-1]["type"] == "cudaStream_t", fn["name"]
 
 

@@ -5,7 +5,7 @@
 #include <cuda_runtime_api.h>
 
 /* Every function returning int returns a cudaError_t value (0 = success), and every
- * launching function takes its cudaStream_t last. */
+ * launching function takes its cudaStream_t last (mc_layer: inside its argument block). */
 
 #ifdef __cplusplus
 extern "C" {
@@ -38,10 +38,10 @@ int64_t mc_expand_workspace_ints(int64_t num_tokens, int32_t top_k, int32_t num_
 int mc_finalize(const void* rows, int64_t rows_stride, int64_t num_rows, const int32_t* slot_to_row,
                 int64_t num_tokens, int32_t top_k, int64_t hidden_size, float routed_scaling_factor,
                 void* out, int64_t out_stride, cudaStream_t stream);
-/* The whole layer in one call: expand -> call->gemm1 -> call->gemm2 -> finalize on call->stream
- * (struct McLayerCall: templates/sm90/moe_layer_call.h). On a non-zero status, call->failed names
+/* The whole layer in one call: expand -> call->gemm1 -> call->gemm2 -> finalize on call->stream;
+ * call points to a struct McLayerCall (templates/sm90/moe_layer_call.h). On a non-zero status, call->failed names
  * the launch that failed (0 expand, 1 GEMM1, 2 GEMM2, 3 finalize); later launches are not made. */
-int mc_layer(struct McLayerCall* call);
+int mc_layer(void* call);
 /* The byte offset of every field of struct McLayerCall in declaration order, then its size (43
  * values): the Python mirror checks its layout against the compiler's. Host only. */
 void mc_layer_call_layout(int64_t* offsets);
