@@ -190,7 +190,7 @@ def launch(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_li
         return
     index = hidden_states.device.index
     require_sm90(index)
-    if index == torch.cuda.current_device():
+    if index == torch._C._cuda_getDevice():  # current_device() without its Python-level checks
         _launch(index, hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
                 routed_scaling_factor, expert_map, out, workspace)
     else:

@@ -196,3 +196,19 @@ def test_past_two_to_the_31_elements():
     del experts, x, out
     mc.free_workspaces()
     torch.cuda.empty_cache()
+
+
+def test_layers_alternating_on_one_config():
+    """Two layers of one shape called in turn, as a model's forward does: the launch parameters
+    cached per weights must never serve the other layer's call."""
+    gen = torch.Generator("cuda").manual_seed(12)
+    E, H, I, k = 16, 256, 128, 2
+    layers = [random_experts(E, H, I, gen) for _ in range(2)]
+    x = random_hidden(8, H, gen)
+    weights, ids = random_routing(8, E, k, gen)
+    outs = [[mc.fused_moe(x, experts, weights, ids) for experts in layers] for _ in range(3)]
+    for experts, first in zip(layers, outs[0]):
+        assert_close(first, mc.reference.fused_moe_float(x, experts, weights, ids))
+    for later in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(later, outs[0]))
+    assert not torch.equal(outs[0][0], outs[0][1])

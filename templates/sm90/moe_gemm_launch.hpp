@@ -125,9 +125,11 @@ inline size_t moe_gemm_workspace_size(int32_t E, int32_t num_sms) {
   return workspace_layout<Cfg>(E, num_sms).total;
 }
 
-// Host-side cache of the last kernel Params per config: a serving loop that reuses its buffers
-// skips the TMA descriptor encoding and cudaFuncSetAttribute (host work only; the key holds
-// every host value the Params depend on).
+// Host-side cache of kernel Params per config, by every host value they depend on: a serving loop
+// that reuses its buffers skips the TMA descriptor encoding and cudaFuncSetAttribute. Several
+// entries, because a model's layers alternate weights on the same config every call (one entry
+// re-encoded the descriptors at every layer of an eager forward). A direct-mapped table: a
+// colliding key just replaces the entry.
 struct MoeParamKey {
   int device;
   const void* ptrs[8];
@@ -136,16 +138,27 @@ struct MoeParamKey {
   size_t workspace_bytes;
 };
 
+inline uint64_t hash_bytes(void const* data, size_t n) {   // FNV-1a
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<uint8_t const*>(data)[i]) * 1099511628211ull;
+  return h;
+}
+
 template <class Cfg>
 struct MoeParamCache {
+  static constexpr size_t kEntries = 256;
+  struct Entry {
+    bool valid = false;
+    MoeParamKey key;
+    typename Cfg::Gemm::Params params;
+  };
   std::mutex mutex;
-  bool valid = false;
-  MoeParamKey key;
-  typename Cfg::Gemm::Params params;
+  Entry entries[kEntries];
   static MoeParamCache& get() {
     static MoeParamCache cache;
     return cache;
   }
+  Entry& slot(MoeParamKey const& key) { return entries[hash_bytes(&key, sizeof(key)) % kEntries]; }
 };
 
 template <class Cfg, int Kind>
@@ -195,10 +208,11 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
   auto& cache = MoeParamCache<Cfg>::get();
   typename Cfg::Gemm::Params params;
   bool hit = false;
+  auto& entry = cache.slot(key);
   {
     std::lock_guard<std::mutex> lock(cache.mutex);
-    if (cache.valid && std::memcmp(&cache.key, &key, sizeof(key)) == 0) {
-      params = cache.params;
+    if (entry.valid && std::memcmp(&entry.key, &key, sizeof(key)) == 0) {
+      params = entry.params;
       hit = true;
     }
   }
@@ -220,9 +234,9 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
     if (gemm.initialize(args, ws + L.cutlass_ws, stream) != cutlass::Status::kSuccess) return int(cudaErrorLaunchFailure);
     params = gemm.params();
     std::lock_guard<std::mutex> lock(cache.mutex);
-    cache.key = key;
-    cache.params = params;
-    cache.valid = true;
+    entry.key = key;
+    entry.params = params;
+    entry.valid = true;
   }
   if (Cfg::Gemm::run(params, stream) != cutlass::Status::kSuccess) {
     cudaError_t const err = cudaGetLastError();

@@ -27,8 +27,9 @@
 //     has no e2m1 fast path on SM90 (generic ~100 instr/value converter).
 //  4. Static TMA descriptors over all experts, encoded once on the host: A as (256 B, unit rows,
 //     slabs, E), scales as (Npad, Kp/32, E), B as the whole act buffer (rows, K) with the tile's
-//     first row offsets[e] + n * TileN (rows past the expert are read and masked in the epilogue;
-//     DeepGEMM's "contiguous layout"). Upstream rewrites A, B and scale descriptors in smem,
+//     first row offsets[e] + n * TileN (DeepGEMM's "contiguous layout"; the epilogue masks rows past
+//     the expert, and a tile that runs past them loads B in 8-row chunks, the chunks wholly past
+//     pointed out of bounds so TMA zero-fills them without reading). Upstream rewrites A, B and scale descriptors in smem,
 //     fences them and publishes them to global memory on every group change (tensormap.replace;
 //     about 5000 cycles per change, KERNEL_NOTES H.2), and with the grouped scheduler's strided
 //     tile order nearly every tile of a CTA is a new group. Here the kernel layer's tensormap
@@ -46,13 +47,12 @@
 //     The Pingpong schedule compiles (TileM 64) but measured slower than Cooperative and is
 //     not in the kernel table.
 //
-// Measured on an H200 (benchmarks/results/bench_*_gemm*.json): prefill-size problems (128-token
-// tiles) run at 1.3-1.45x the BF16-FLOP floor; decode-size ones (weight streaming, N tile 8/16)
-// at 1.7-4.1x the MXFP4-bytes floor (gpt-oss M=4: GEMM1 2.3x, GEMM2 2.9x). The MC_PROBE_NO_CONVERT
-// build runs the same decode shapes at 1.1-1.7x (bench_20261129T125000Z_gemm_probe.json): the
-// converter (~17 SASS instructions per 8 weights plus ~3 per scale byte, in the consumer
-// warpgroups) is most of the remaining gap; shapes with few k tiles per tile also pay the
-// per-tile fixed costs (prologue conversion, epilogue).
+// Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
+// decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
+// bench_20261129T133227Z); the static descriptors (4.) another 3-8% at decode
+// (bench_20261130T223331Z). Decode GEMMs now stream 2.5 (gpt-oss, K=2880) to 3.4 TB/s (dsv3,
+// K=7168) of 4.25 TB/s: short K exposes the per-tile prologue (first conversion before any GMMA)
+// and epilogue, and at M=1 too few tiles fill the machine.
 #pragma once
 
 #include "cutlass/cutlass.h"
