@@ -116,7 +116,7 @@ def graph_of(fn):
     return graph
 
 
-def bench_config(name, tokens, timer, floors, gen):
+def bench_config(name, tokens, timer, floors, gen, batch_invariant=False):
     E, H, I, k = CONFIGS[name]
     w13_b, w13_s = random_mxfp4(E, 2 * I, H, gen)
     w2_b, w2_s = random_mxfp4(E, H, I, gen)
@@ -129,7 +129,7 @@ def bench_config(name, tokens, timer, floors, gen):
         out = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
 
         def run():
-            mc.fused_moe(x, experts, weights, ids, out=out)
+            mc.fused_moe(x, experts, weights, ids, out=out, batch_invariant=batch_invariant)
 
         out.fill_(float("nan"))
         run()
@@ -139,7 +139,7 @@ def bench_config(name, tokens, timer, floors, gen):
         for mode, fn in (("graph", graph.replay), ("eager", run)):
             us = timer.median_us(fn)
             row = {"impl": "moe_cutlass", "config": name, "M": M, "mode": mode, "us": us,
-                   "floor_us": floor, "x_floor": us / floor, "relerr": relerr}
+                   "floor_us": floor, "x_floor": us / floor, "relerr": relerr, "batch_invariant": batch_invariant}
             if mode == "eager" and M <= HOST_MAX_TOKENS:
                 row["host_us"] = host_us(lambda: mc.fused_moe(x, experts, weights, ids))
                 row["host_us_out"] = host_us(run)
@@ -157,6 +157,7 @@ def main():
     parser.add_argument("--ms", default=",".join(map(str, TOKENS)))
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--batch-invariant", action="store_true", help="time fused_moe(batch_invariant=True)")
     args = parser.parse_args()
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
@@ -171,7 +172,7 @@ def main():
     gen.manual_seed(0)
     rows = []
     for name in names:
-        rows += bench_config(name, tokens, timer, floors, gen)
+        rows += bench_config(name, tokens, timer, floors, gen, args.batch_invariant)
         torch.cuda.empty_cache()
     path = write_record("bench", {"floors": floors, "reps": args.reps, "rows": rows}, args.out_dir)
     print(f"record: {path}")

@@ -18,7 +18,7 @@ GEMM1_CONFIG = "moe_gemm1_m128n32k128_coop"
 GEMM2_CONFIG = "moe_gemm2_m128n32k128_coop"
 
 
-def pick_config(kind: int, rows: int, num_experts: int, available=None) -> str:
+def pick_config(kind: int, rows: int, num_experts: int, available=None, batch_invariant=False) -> str:
     """A config for GEMM<kind> given the host-known number of rows (M * top_k) and E.
 
     With few rows per expert the kernels stream weights, and the 8/16-token tiles with TileK 256
@@ -30,9 +30,16 @@ def pick_config(kind: int, rows: int, num_experts: int, available=None) -> str:
     3656 vs 4401 us), at 64 the 128-token tile beats the 64-token one (qwen3 411 vs 458 us), at
     24 the 32-token tile still wins (dsv4 1918 vs 2122 us), at 8 the 16-token one (gpt-oss 738
     vs 909 us). The real per-expert counts live on the device only.
+
+    batch_invariant: only tiles that sum a token's products in one order. A tile's order depends
+    on its number of accumulator chains alone (moe_gemm_mainloop.hpp, NumAcc: 4 for N <= 16, 2
+    for N = 32, 1 above; the chain of k-block g is g % NumAcc whatever TileK is), so the 64- and
+    128-token tiles agree bit for bit and the others differ.
     """
     per_expert = rows / max(1, num_experts)
-    for limit, tile in ((4, "n8k256"), (12, "n16k256"), (24, "n32k128"), (48, "n64k128")):
+    tiles = ((48, "n64k128"),) if batch_invariant else (
+        (4, "n8k256"), (12, "n16k256"), (24, "n32k128"), (48, "n64k128"))
+    for limit, tile in tiles:
         if per_expert <= limit:
             break
     else:

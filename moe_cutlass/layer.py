@@ -21,7 +21,8 @@ def _is_traced(hidden_states) -> bool:
 
 
 def fused_moe(hidden_states, experts, topk_weights, topk_ids, activation="silu", swiglu_limit=None,
-              swiglu_alpha=1.702, routed_scaling_factor=1.0, expert_map=None, out=None, workspace=None):
+              swiglu_alpha=1.702, routed_scaling_factor=1.0, expert_map=None, out=None, workspace=None,
+              batch_invariant=False):
     """out[t] = routed_scaling_factor * sum_j topk_weights[t, j] * (W2_e @ act(W13_e @ x_t + b13_e) + b2_e).
 
     hidden_states bf16 [M, H]; experts from prepare_experts, on the same GPU; topk_weights
@@ -29,17 +30,20 @@ def fused_moe(hidden_states, experts, topk_weights, topk_ids, activation="silu",
     (int32 [E_global]: global id -> local id) contribute nothing. activation "silu" or
     "swiglu_oai" (with swiglu_alpha); swiglu_limit clamps gate (above) and up (both sides).
     workspace: a Workspace from allocate_workspace(max_tokens >= M, k, experts), or None for
-    the cached one. Returns bf16 [M, H] (`out` when given). Deterministic; no host synchronization.
+    the cached one. batch_invariant=True: each token's output bits do not depend on M or on the
+    other tokens (one accumulation order for every batch size: the 64/128-token tiles only,
+    slower at decode sizes). Returns bf16 [M, H] (`out` when given). Deterministic; no host
+    synchronization.
     """
     if _is_traced(hidden_states):
         return call(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
-                    routed_scaling_factor, expert_map, out, workspace)
+                    routed_scaling_factor, expert_map, out, workspace, batch_invariant)
     check_args(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
-               routed_scaling_factor, expert_map, out, workspace)
+               routed_scaling_factor, expert_map, out, workspace, batch_invariant)
     if out is None:
         out = torch.empty(hidden_states.shape[0], experts.hidden_size, dtype=torch.bfloat16,
                           device=hidden_states.device)
     check_pointers(hidden_states, out, workspace)
     launch(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
-           routed_scaling_factor, expert_map, out, workspace)
+           routed_scaling_factor, expert_map, out, workspace, batch_invariant)
     return out

@@ -44,8 +44,10 @@ def _check_workspace_type(workspace) -> None:
 
 
 def check_args(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
-               routed_scaling_factor, expert_map, out, workspace) -> None:
+               routed_scaling_factor, expert_map, out, workspace, batch_invariant=False) -> None:
     """Raise, naming the argument, unless fused_moe can run on these (metadata only: fake tensors pass)."""
+    if type(batch_invariant) is not bool:
+        raise TypeError(f"batch_invariant: expected a bool, got {type(batch_invariant).__name__}")
     args = (hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
             routed_scaling_factor, expert_map, out, workspace)
     if not _plainly_valid(*args):
@@ -167,9 +169,10 @@ class _Gemms(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def _gemms(slots: int, E: int) -> _Gemms:
+def _gemms(slots: int, E: int, batch_invariant: bool) -> _Gemms:
     # The GEMM tiles follow the rows per expert, which the host knows only on average (slots / E).
-    names = tuple(f"mc_sm90_{_gemm.pick_config(kind, slots, E, _gemm.configs_of(kind))}" for kind in GEMM_KINDS)
+    names = tuple(f"mc_sm90_{_gemm.pick_config(kind, slots, E, _gemm.configs_of(kind), batch_invariant)}"
+                  for kind in GEMM_KINDS)
     lib = _lib.library()
     return _Gemms(*(ctypes.cast(lib.function(n), ctypes.c_void_p).value for n in names), names)
 
@@ -183,7 +186,7 @@ def _failed(status: int, name: str) -> RuntimeError:
 
 
 def launch(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
-           routed_scaling_factor, expert_map, out, workspace) -> None:
+           routed_scaling_factor, expert_map, out, workspace, batch_invariant=False) -> None:
     """The layer on arguments that check_args and check_pointers passed, on the current stream:
     expand -> GEMM1 (+ activation) -> GEMM2 (x routing weight) -> finalize into `out`."""
     if topk_ids.shape[0] == 0:
@@ -192,11 +195,11 @@ def launch(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_li
     require_sm90(index)
     if index == torch._C._cuda_getDevice():  # current_device() without its Python-level checks
         _launch(index, hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
-                routed_scaling_factor, expert_map, out, workspace)
+                routed_scaling_factor, expert_map, out, workspace, batch_invariant)
     else:
         with torch.cuda.device(index):  # the kernels launch on the current device
             _launch(index, hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
-                    routed_scaling_factor, expert_map, out, workspace)
+                    routed_scaling_factor, expert_map, out, workspace, batch_invariant)
 
 
 # Argument blocks by everything they hold: the addresses of the weights, the workspace (with its
@@ -240,7 +243,7 @@ def _call_block(experts, workspace, k, ids_dtype, activation, swiglu_limit, swig
 
 
 def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
-            routed_scaling_factor, expert_map, out, workspace):
+            routed_scaling_factor, expert_map, out, workspace, batch_invariant):
     M, k = topk_ids.shape
     # The raw handle, without building a torch.cuda.Stream object (host time is the point here).
     stream = torch._C._cuda_getCurrentRawStream(index)
@@ -262,7 +265,7 @@ def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_l
                             routed_scaling_factor, expert_map, index)
         entry = _calls[key] = (block, ctypes.addressof(block))
     block, address = entry[0], entry[1]
-    gemms = _gemms(M * k, experts.num_experts)
+    gemms = _gemms(M * k, experts.num_experts, batch_invariant)
     block.hidden, block.topk_ids, block.topk_weights, block.out = (
         hidden.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr(), out.data_ptr())
     block.num_tokens, block.stream, block.gemm1, block.gemm2 = M, stream, gemms.gemm1, gemms.gemm2
@@ -287,7 +290,7 @@ def _weight_schema(weight: str) -> str:
 _SCHEMA = (f"Tensor hidden_states, {_weight_schema('w13')}, {_weight_schema('w2')}, int num_experts, int hidden_size, "
            "int intermediate_size, Tensor topk_weights, Tensor topk_ids, str activation, float? swiglu_limit, "
            "float swiglu_alpha, float routed_scaling_factor, Tensor? expert_map, Tensor(a!) workspace, "
-           "int workspace_max_tokens")
+           "int workspace_max_tokens, bool batch_invariant")
 _PER_WEIGHT = len(WEIGHT_TENSORS) + len(WEIGHT_INTS)
 
 
@@ -311,14 +314,14 @@ def _weights(args) -> dict:
 
 
 def op_args(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
-            routed_scaling_factor, expert_map, workspace) -> tuple:
+            routed_scaling_factor, expert_map, workspace, batch_invariant=False) -> tuple:
     """fused_moe's arguments (without out) as the ops take them."""
     check_experts(experts)
     _check_workspace_type(workspace)
     return (hidden_states, *_weight_args("w13", experts.w13), *_weight_args("w2", experts.w2), experts.num_experts,
             experts.hidden_size, experts.intermediate_size, topk_weights, topk_ids, activation, swiglu_limit,
             swiglu_alpha, routed_scaling_factor, expert_map,
-            *_workspace_args(workspace, hidden_states.device))
+            *_workspace_args(workspace, hidden_states.device), batch_invariant)
 
 
 def _workspace_args(workspace, device) -> tuple:
@@ -333,11 +336,11 @@ def _layer_args(args) -> dict:
     """op_args's inverse, as fused_moe's keyword arguments."""
     hidden_states, rest = args[0], args[1:]
     w13, w2, rest = _weights(rest[:_PER_WEIGHT]), _weights(rest[_PER_WEIGHT:2 * _PER_WEIGHT]), rest[2 * _PER_WEIGHT:]
-    E, H, I, topk_weights, topk_ids, activation, limit, alpha, scale, expert_map, buffer, max_tokens = rest
+    E, H, I, topk_weights, topk_ids, activation, limit, alpha, scale, expert_map, buffer, max_tokens, invariant = rest
     return dict(hidden_states=hidden_states, experts=PreparedExperts(E, H, I, w13, w2), topk_weights=topk_weights,
                 topk_ids=topk_ids, activation=activation, swiglu_limit=limit, swiglu_alpha=alpha,
                 routed_scaling_factor=scale, expert_map=expert_map,
-                workspace=None if buffer.numel() == 0 else Workspace(buffer, max_tokens))
+                workspace=None if buffer.numel() == 0 else Workspace(buffer, max_tokens), batch_invariant=invariant)
 
 
 def _checked(args, out) -> dict:
@@ -387,10 +390,10 @@ torch.library.register_fake("moe_cutlass::fused_moe_out", _fused_moe_out_fake)
 
 
 def call(hidden_states, experts, topk_weights, topk_ids, activation="silu", swiglu_limit=None, swiglu_alpha=1.702,
-         routed_scaling_factor=1.0, expert_map=None, out=None, workspace=None):
+         routed_scaling_factor=1.0, expert_map=None, out=None, workspace=None, batch_invariant=False):
     """fused_moe through torch.ops.moe_cutlass, as tracing needs it."""
     args = op_args(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
-                   routed_scaling_factor, expert_map, workspace)
+                   routed_scaling_factor, expert_map, workspace, batch_invariant)
     if out is None:
         return torch.ops.moe_cutlass.fused_moe(*args)
     torch.ops.moe_cutlass.fused_moe_out(*args, out)
