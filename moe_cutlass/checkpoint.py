@@ -51,7 +51,20 @@ _STACKED_NAMES = {
 _CORRECTION_BIAS_NAMES = ("gate.e_score_correction_bias", "gate.bias")
 
 
-class Tensors(Mapping):
+class _Over(Mapping):
+    """A mapping over the names of another one, ``self._tensors``."""
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self):
+        return len(self._tensors)
+
+    def __contains__(self, name):
+        return name in self._tensors
+
+
+class Tensors(_Over):
     """Name -> tensor, with reads of a slice: ``read(name, index)`` is ``self[name][index]``
     without materialising the rest where the storage allows it. Over a dict by default."""
 
@@ -62,14 +75,6 @@ class Tensors(Mapping):
     def __getitem__(self, name):
         return self.read(name)
 
-    def __iter__(self):
-        return iter(self._tensors)
-
-    def __len__(self):
-        return len(self._tensors)
-
-    def __contains__(self, name):
-        return name in self._tensors
 
     def _missing(self, name):
         return KeyError(f"{name!r}: no such tensor in {self.where}")
@@ -210,7 +215,7 @@ def _read_stacked(tensors, prefix, layout, tp, ep):
         correction_bias=None, names=tuple(names.values()))
 
 
-class _IntermediateSlice(Mapping):
+class _IntermediateSlice(_Over):
     """Per-expert tensors cut to the intermediate range [s, t): gate/up rows, down columns."""
 
     def __init__(self, tensors, s, t):
@@ -228,14 +233,6 @@ class _IntermediateSlice(Mapping):
         self.read_names.append(name)
         return self._tensors.read(name, index)
 
-    def __iter__(self):
-        return iter(self._tensors)
-
-    def __len__(self):
-        return len(self._tensors)
-
-    def __contains__(self, name):
-        return name in self._tensors
 
 
 def _read_per_expert(tensors, prefix, tp, ep):
