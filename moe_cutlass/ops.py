@@ -208,6 +208,7 @@ def launch(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_li
 # memory alive: a block is valid for any tensors at those addresses.
 _CALLS_MAX = 256
 _calls = {}
+_calls_lock = threading.Lock()
 
 
 def _call_block(experts, workspace, k, ids_dtype, activation, swiglu_limit, swiglu_alpha, routed_scaling_factor,
@@ -259,11 +260,13 @@ def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_l
            None if expert_map is None else (expert_map.data_ptr(), expert_map.numel()))
     entry = _calls.get(key)
     if entry is None:
-        if len(_calls) >= _CALLS_MAX:
-            del _calls[next(iter(_calls))]
         block = _call_block(experts, workspace, k, topk_ids.dtype, activation, swiglu_limit, swiglu_alpha,
                             routed_scaling_factor, expert_map, index)
-        entry = _calls[key] = (block, ctypes.addressof(block))
+        entry = (block, ctypes.addressof(block))
+        with _calls_lock:  # misses only: eviction iterates the dict, which another thread may grow
+            if len(_calls) >= _CALLS_MAX:
+                del _calls[next(iter(_calls))]
+            _calls[key] = entry
     block, address = entry[0], entry[1]
     gemms = _gemms(M * k, experts.num_experts, batch_invariant)
     block.hidden, block.topk_ids, block.topk_weights, block.out = (
