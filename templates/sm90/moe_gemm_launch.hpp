@@ -71,8 +71,6 @@ struct MoeGemmConfig {
   using ProblemShape = MoeProblemShape;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using UnderlyingShape = typename ProblemShape::UnderlyingProblemShape;
-  using StrideAB = cute::Stride<int64_t, _1, _0>;
 };
 
 struct MoeWorkspaceLayout {
