@@ -13,6 +13,7 @@ import ctypes
 import functools
 import math
 import threading
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -144,7 +145,8 @@ _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class LayerCall(ctypes.Structure):
     """struct McLayerCall of templates/sm90/moe_layer_call.h, field by field: the argument block
-    of mc_layer, the one C call that launches expand -> GEMM1 -> GEMM2 -> finalize."""
+    of mc_layer, the one C call that launches expand -> GEMM1 -> GEMM2 -> finalize. mc_layer keeps
+    CUDA graphs of the launches in `graphs`; they are freed with the block (see _launch)."""
 
     _fields_ = [("hidden", _P), ("topk_ids", _P), ("topk_weights", _P), ("out", _P), ("num_tokens", _I64),
                 ("stream", _P), ("gemm1", _P), ("gemm2", _P),
@@ -157,7 +159,7 @@ class LayerCall(ctypes.Structure):
                 ("inter", _P), ("act_rows", _I64), ("gemm1_workspace", _P), ("gemm1_workspace_bytes", _I64),
                 ("gemm2_workspace", _P), ("gemm2_workspace_bytes", _I64), ("activation", _I64),
                 ("swiglu_alpha", _F32), ("swiglu_limit", _F32), ("routed_scaling_factor", _F32),
-                ("failed", ctypes.c_int32)]
+                ("failed", ctypes.c_int32), ("graphs", _P)]
 
 
 class _Gemms(NamedTuple):
@@ -263,6 +265,9 @@ def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_l
         block = _call_block(experts, workspace, k, topk_ids.dtype, activation, swiglu_limit, swiglu_alpha,
                             routed_scaling_factor, expert_map, index)
         entry = (block, ctypes.addressof(block))
+        # When the last reference goes (an evicted block may still be in another call), not at exit:
+        # the CUDA context may be gone by then.
+        weakref.finalize(block, _release_function(), entry[1]).atexit = False
         with _calls_lock:  # misses only: eviction iterates the dict, which another thread may grow
             if len(_calls) >= _CALLS_MAX:
                 del _calls[next(iter(_calls))]
@@ -274,13 +279,19 @@ def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_l
     block.num_tokens, block.stream, block.gemm1, block.gemm2 = M, stream, gemms.gemm1, gemms.gemm2
     status = _layer_function()(address)
     if status:
-        names = ("mc_expand_i64" if topk_ids.dtype == torch.int64 else "mc_expand_i32", *gemms.names, "mc_finalize")
+        names = ("mc_expand_i64" if topk_ids.dtype == torch.int64 else "mc_expand_i32", *gemms.names, "mc_finalize",
+                 "mc_layer (its CUDA graph launch)")
         raise _failed(status, names[block.failed])
 
 
 @functools.lru_cache(maxsize=1)
 def _layer_function():
     return _lib.library().function("mc_layer")
+
+
+@functools.lru_cache(maxsize=1)
+def _release_function():
+    return _lib.library().function("mc_layer_release")
 
 
 # ---- the ops ----

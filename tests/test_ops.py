@@ -314,3 +314,47 @@ def test_layer_call_matches_the_c_struct():
     layout = (ctypes.c_int64 * (len(fields) + 1))()
     lib.function("mc_layer_call_layout")(layout)
     assert list(layout) == [getattr(ops.LayerCall, f).offset for f in fields] + [ctypes.sizeof(ops.LayerCall)]
+
+
+# ---- GPU: repeated eager calls replay mc_layer's CUDA graph (templates/sm90/layer_launch.cuh) ----
+
+def direct(x, experts, weights, ids, **options):
+    """The layer through the direct launches: the first call on a fresh workspace (a new argument block)."""
+    workspace = mc.allocate_workspace(x.shape[0], ids.shape[1], experts)
+    return mc.fused_moe(x, experts, weights, ids, workspace=workspace, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["plain", "gpt_oss", "expert_map"])
+def test_replayed_calls_take_each_calls_arguments(variant):
+    """One block, calls queued back to back without a sync, each with its own tokens, output and size
+    (both expand paths: 4 * 600 slots is past the one-kernel path): every output is its own call's,
+    so a node update cannot have reached a replay already in flight."""
+    _, experts, _, _, options = gpu_case(8, variant)
+    workspace = mc.allocate_workspace(600, 4, experts)
+    calls = []
+    for seed, M in enumerate((5, 5, 1, 37, 5, 600, 600, 2, 5), 20):
+        x, _, weights, ids, _ = gpu_case(M, variant, seed=seed)
+        out = torch.full((M, experts.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+        mc.fused_moe(x, experts, weights, ids, out=out, workspace=workspace, **options)
+        calls.append((out, x, weights, ids))
+    torch.cuda.synchronize()
+    for out, x, weights, ids in calls:
+        assert torch.equal(out, direct(x, experts, weights, ids, **options))
+    out, x, weights, ids = calls[-1]
+    assert_close(out, mc.reference.fused_moe_float(x, experts, weights, ids, **options))
+
+
+@pytest.mark.gpu
+def test_a_replayed_call_runs_on_the_callers_stream():
+    """The graph launches on the current stream: work queued after it on that stream sees its output."""
+    x, experts, weights, ids, _ = gpu_case(9, "plain", seed=30)
+    want = direct(x, experts, weights, ids)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # the second call captures, the third replays
+            torch.cuda._sleep(1_000_000)  # the GPU still busy when the graph is queued
+            got = mc.fused_moe(x, experts, weights, ids) * 1  # read on the same stream
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(got, want)

@@ -6,7 +6,8 @@
  * about half of its ~35 us of host time on the H200 machine's CPU (cProfile). The block lives on the
  * Python side per (experts, workspace, options); a call rewrites only the per-call fields. The
  * GEMM configs are chosen by the caller and passed as function pointers, so this translation unit
- * depends on no GEMM instantiation (a partial build still links). */
+ * depends on no GEMM instantiation (a partial build still links). Repeated calls on one block replay
+ * a CUDA graph of the launches (templates/sm90/layer_launch.cuh). */
 #pragma once
 
 #include <stdint.h>
@@ -67,7 +68,8 @@ struct McLayerCall {
   float swiglu_alpha;
   float swiglu_limit;              /* +inf for none */
   float routed_scaling_factor;
-  int32_t failed;                  /* out: the launch that failed, 0 expand .. 3 finalize */
+  int32_t failed;                  /* out: the launch that failed, 0 expand .. 3 finalize, 4 graph launch */
+  void* graphs;                    /* mc_layer's CUDA graphs of this block: NULL at first, freed by mc_layer_release */
 };
 
 #ifdef __cplusplus

@@ -332,6 +332,37 @@ __global__ void __launch_bounds__(kThreads) expand_gather_kernel(ExpandArgs<IdT>
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
+// Where a launch goes: onto the stream, or (mc_layer replaying the CUDA graph it captured from
+// these same launches, templates/sm90/layer_graph.cuh) into the next kernel node of that graph,
+// with this call's arguments and grid. The same code path decides both, so the node sequence
+// of a graph always matches the launches it stands for.
+struct NodeUpdate {
+  cudaGraphExec_t exec;
+  const cudaGraphNode_t* nodes;
+  int next;
+};
+
+template <class T>
+struct Same {
+  using type = T;
+};
+
+template <class... P>
+inline cudaError_t launch(void (*kernel)(P...), int grid, cudaStream_t stream, NodeUpdate* update,
+                          typename Same<P>::type... args) {
+  if (update == nullptr) {
+    kernel<<<grid, kThreads, 0, stream>>>(args...);
+    return cudaGetLastError();
+  }
+  void* params[] = {static_cast<void*>(&args)...};
+  cudaKernelNodeParams node = {};
+  node.func = reinterpret_cast<void*>(kernel);
+  node.gridDim = dim3(grid);
+  node.blockDim = dim3(kThreads);
+  node.kernelParams = params;
+  return cudaGraphExecKernelNodeSetParams(update->exec, update->nodes[update->next++], &node);
+}
+
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Grid for `items` of grid-strided work, `per_block` items per block and trip.
@@ -351,7 +382,7 @@ int expand(const IdT* topk_ids, const float* topk_weights, int64_t num_tokens, i
            const void* hidden, int64_t hidden_stride, int64_t hidden_size, int32_t* expert_counts,
            int32_t* expert_offsets, int32_t* sorted_slots, int32_t* slot_to_row, void* gathered,
            int64_t gathered_stride, float* row_weights, int32_t* workspace, int64_t workspace_ints,
-           cudaStream_t stream) {
+           cudaStream_t stream, NodeUpdate* update = nullptr) {
   const bool bad_sizes = num_tokens < 0 || top_k < 1 || num_experts < 1 || num_experts > kMaxExperts ||
                          hidden_size <= 0 || hidden_size % kBf16PerChunk != 0 ||
                          num_tokens * top_k > INT_MAX || (expert_map != nullptr && num_global_experts < 0);
@@ -372,26 +403,21 @@ int expand(const IdT* topk_ids, const float* topk_weights, int64_t num_tokens, i
                     slot_to_row, static_cast<__nv_bfloat16*>(gathered), gathered_stride,
                     row_weights, workspace};
   if (a.num_slots <= kSmallSlots) {
-    expand_small_kernel<IdT>
-        <<<grid_blocks(a.num_slots, kRowsPerTrip, kMaxSmallBlocks), kThreads, 0, stream>>>(a);
-    return cudaGetLastError();
+    return launch(expand_small_kernel<IdT>, grid_blocks(a.num_slots, kRowsPerTrip, kMaxSmallBlocks), stream, update,
+                  a);
   }
   const int num_tiles = ceil_div(a.num_slots, kTileSlots);
   if (workspace == nullptr || workspace_ints < expand_workspace_ints(num_tokens, top_k, num_experts)) {
     return cudaErrorInvalidValue;
   }
-  expand_count_kernel<IdT><<<num_tiles, kThreads, 0, stream>>>(a);
-  cudaError_t err = cudaGetLastError();
+  cudaError_t err = launch(expand_count_kernel<IdT>, num_tiles, stream, update, a);
   if (err != cudaSuccess) return err;
-  expand_prefix_kernel<IdT><<<1, kThreads, 0, stream>>>(a, num_tiles);
-  err = cudaGetLastError();
+  err = launch(expand_prefix_kernel<IdT>, 1, stream, update, a, num_tiles);
   if (err != cudaSuccess) return err;
-  expand_scatter_kernel<IdT><<<num_tiles, kThreads, 0, stream>>>(a);
-  err = cudaGetLastError();
+  err = launch(expand_scatter_kernel<IdT>, num_tiles, stream, update, a);
   if (err != cudaSuccess) return err;
-  expand_gather_kernel<IdT>
-      <<<grid_blocks(a.num_slots, kRowsPerTrip, kMaxStreamBlocks), kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  return launch(expand_gather_kernel<IdT>, grid_blocks(a.num_slots, kRowsPerTrip, kMaxStreamBlocks), stream, update,
+                a);
 }
 
 struct FinalizeArgs {
@@ -456,7 +482,7 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(FinalizeArgs a) {
 
 inline int finalize(const void* rows, int64_t rows_stride, int64_t num_rows, const int32_t* slot_to_row,
                     int64_t num_tokens, int top_k, int64_t hidden_size, float routed_scaling_factor,
-                    void* out, int64_t out_stride, cudaStream_t stream) {
+                    void* out, int64_t out_stride, cudaStream_t stream, NodeUpdate* update = nullptr) {
   if (num_tokens < 0 || top_k < 1 || num_rows < 0 || hidden_size <= 0 ||
       hidden_size % kBf16PerChunk != 0 || rows_stride < hidden_size || out_stride < hidden_size ||
       rows_stride % kBf16PerChunk != 0 || out_stride % kBf16PerChunk != 0 || !aligned16(rows) ||
@@ -468,9 +494,8 @@ inline int finalize(const void* rows, int64_t rows_stride, int64_t num_rows, con
   FinalizeArgs a{static_cast<const __nv_bfloat16*>(rows), rows_stride, num_rows, slot_to_row,
                  num_tokens, top_k, hidden_size / kBf16PerChunk, routed_scaling_factor,
                  static_cast<__nv_bfloat16*>(out), out_stride};
-  finalize_kernel<<<grid_blocks(num_tokens * a.chunks_per_row, kThreads, kMaxStreamBlocks), kThreads,
-                    0, stream>>>(a);
-  return cudaGetLastError();
+  return launch(finalize_kernel, grid_blocks(num_tokens * a.chunks_per_row, kThreads, kMaxStreamBlocks), stream,
+                update, a);
 }
 
 }  // namespace routing

@@ -1,0 +1,181 @@
+// moe_cutlass: the launches of one MoE layer call (mc_layer), made directly or replayed as a
+// CUDA graph that this file captures once per argument block and kernel variant.
+//
+// Why a graph: on the H200 machine's CPU one kernel launch costs ~5 us of host time, so the
+// layer's four launches (expand, GEMM1, GEMM2, finalize) took 20.8 us of an eager M=1 call's
+// ~28 us (gpt-oss shape, .carry/host_parts measurement 2026-11-30), while one graph launch costs
+// ~3 us. Only expand and finalize take per-call arguments (the token pointers, the output and
+// the batch size, which sets their grids); the GEMMs read everything per call from the
+// workspace (expert offsets), so their nodes never change. A call therefore rewrites two kernel
+// nodes (cudaGraphExecKernelNodeSetParams: it affects later launches only, so a replay still in
+// flight keeps its arguments) and launches the graph.
+//
+// When not: the first call of a variant launches directly (a one-off call does not pay for a
+// capture), and so does every call on a stream that is itself being captured (a CUDA graph of
+// the caller's, or torch.compile's cudagraphs): there the launches become the caller's nodes.
+// A variant is (GEMM1 config, GEMM2 config, expand's one-kernel or four-kernel path); a block
+// keeps up to kVariants of them and replaces the oldest. Errors while capturing make the variant
+// launch directly from then on; the results are the same kernels either way.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "moe_layer_call.h"
+#include "routing.cuh"
+
+namespace moe_cutlass {
+namespace layer_launch {
+
+namespace routing = moe_cutlass::routing;
+
+constexpr int kMaxNodes = 7;  // expand (1 or 4 kernels), GEMM1, GEMM2, finalize
+constexpr int kVariants = 4;
+constexpr int kGemmNodes = 2;
+
+enum Stage { kExpand = 0, kGemm1 = 1, kGemm2 = 2, kFinalize = 3, kGraph = 4 };
+
+struct Variant {
+  McGemmFn gemm1 = nullptr;
+  McGemmFn gemm2 = nullptr;
+  bool small = false;     // expand's one-kernel path
+  bool direct = false;    // capture failed: launch directly
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  cudaGraphNode_t nodes[kMaxNodes] = {};
+  int num_nodes = 0;
+
+  bool matches(McLayerCall const* c, bool small_path) const {
+    return gemm1 == c->gemm1 && gemm2 == c->gemm2 && small == small_path;
+  }
+  void release() {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);  // a launch in flight completes first
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    *this = Variant();
+  }
+};
+
+struct Graphs {
+  Variant variants[kVariants];
+  int used = 0;  // variants[0 .. used) hold one; then the oldest goes
+  int oldest = 0;
+};
+
+// expand -> GEMM1 -> GEMM2 -> finalize on `stream`, or with `update` the new arguments of the
+// graph's expand and finalize nodes. Sets c->failed to the stage that failed.
+inline int launch_all(McLayerCall* c, cudaStream_t stream, routing::NodeUpdate* update) {
+  int32_t const k = int32_t(c->top_k), E = int32_t(c->num_experts);
+  int64_t const H = c->hidden_size, I = c->intermediate_size, rows = c->num_tokens * c->top_k;
+  c->failed = kExpand;
+  int status = c->ids_int64
+      ? routing::expand(static_cast<const int64_t*>(c->topk_ids), c->topk_weights, c->num_tokens, k, c->expert_map,
+                        c->num_global_experts, E, c->hidden, H, H, c->expert_counts, c->expert_offsets,
+                        c->sorted_slots, c->slot_to_row, c->gathered, H, c->row_weights, c->expand_workspace,
+                        c->expand_workspace_ints, stream, update)
+      : routing::expand(static_cast<const int32_t*>(c->topk_ids), c->topk_weights, c->num_tokens, k, c->expert_map,
+                        c->num_global_experts, E, c->hidden, H, H, c->expert_counts, c->expert_offsets,
+                        c->sorted_slots, c->slot_to_row, c->gathered, H, c->row_weights, c->expand_workspace,
+                        c->expand_workspace_ints, stream, update);
+  if (status) return status;
+  if (update != nullptr) {
+    update->next += kGemmNodes;
+  } else {
+    c->failed = kGemm1;
+    status = c->gemm1(c->w13_blocks, c->w13_scales, c->w13_bias, c->gathered, int32_t(c->act_rows),
+                      c->expert_offsets, nullptr, c->inter, E, int32_t(2 * I), int32_t(H), int32_t(c->w13_scale_max),
+                      int32_t(c->activation), c->swiglu_alpha, c->swiglu_limit, c->gemm1_workspace,
+                      size_t(c->gemm1_workspace_bytes), stream);
+    if (status) return status;
+    // The gathered rows are dead once GEMM1 has read them: GEMM2 writes its rows there. Its
+    // activation arguments are unused; fixed values keep its cached launch parameters valid.
+    c->failed = kGemm2;
+    status = c->gemm2(c->w2_blocks, c->w2_scales, c->w2_bias, c->inter, int32_t(c->act_rows), c->expert_offsets,
+                      c->row_weights, c->gathered, E, int32_t(H), int32_t(I), int32_t(c->w2_scale_max), 0, 1.702f,
+                      INFINITY, c->gemm2_workspace, size_t(c->gemm2_workspace_bytes), stream);
+    if (status) return status;
+  }
+  c->failed = kFinalize;
+  return routing::finalize(c->gathered, H, rows, c->slot_to_row, c->num_tokens, k, H, c->routed_scaling_factor,
+                           c->out, H, stream, update);
+}
+
+// The launches captured into v's graph, its kernel nodes in launch order; false if anything
+// about it fails (v then launches directly).
+inline bool capture(McLayerCall* c, Variant& v) {
+  cudaStream_t stream = nullptr;
+  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) return false;
+  bool ok = cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
+  if (ok) {
+    ok = launch_all(c, stream, nullptr) == cudaSuccess;
+    cudaGraph_t graph = nullptr;
+    ok = cudaStreamEndCapture(stream, &graph) == cudaSuccess && ok;
+    v.graph = graph;
+  }
+  cudaStreamDestroy(stream);
+  size_t n = 1;
+  ok = ok && v.graph != nullptr && cudaGraphGetRootNodes(v.graph, v.nodes, &n) == cudaSuccess && n == 1;
+  int count = ok ? 1 : 0;
+  while (ok) {  // a chain: each node has one successor, the last none
+    cudaGraphNodeType type;
+    ok = cudaGraphNodeGetType(v.nodes[count - 1], &type) == cudaSuccess && type == cudaGraphNodeTypeKernel;
+    size_t next = 0;
+    ok = ok && cudaGraphNodeGetDependentNodes(v.nodes[count - 1], nullptr, nullptr, &next) == cudaSuccess &&
+         next <= 1;
+    if (!ok || next == 0) break;
+    ok = count < kMaxNodes &&
+         cudaGraphNodeGetDependentNodes(v.nodes[count - 1], v.nodes + count, nullptr, &next) == cudaSuccess;
+    ++count;
+  }
+  v.num_nodes = count;
+  ok = ok && count == (v.small ? 1 : 4) + kGemmNodes + 1 &&
+       cudaGraphInstantiate(&v.exec, v.graph, 0) == cudaSuccess;
+  cudaGetLastError();  // a failed capture leaves its error behind; the direct launches must not see it
+  return ok;
+}
+
+// The graph of c's variant: nullptr to launch directly (first sight, or capture failed).
+inline Variant* variant(McLayerCall* c) {
+  if (c->graphs == nullptr) c->graphs = new Graphs();
+  Graphs& g = *static_cast<Graphs*>(c->graphs);
+  bool const small = c->num_tokens * c->top_k <= routing::kSmallSlots;
+  for (int i = 0; i < g.used; ++i) {
+    Variant& v = g.variants[i];
+    if (!v.matches(c, small)) continue;
+    if (v.direct) return nullptr;
+    if (v.exec == nullptr && !capture(c, v)) {
+      v.release();
+      v.gemm1 = c->gemm1, v.gemm2 = c->gemm2, v.small = small, v.direct = true;
+      return nullptr;
+    }
+    return &v;
+  }
+  Variant& v = g.used < kVariants ? g.variants[g.used++] : g.variants[g.oldest++ % kVariants];
+  v.release();
+  v.gemm1 = c->gemm1, v.gemm2 = c->gemm2, v.small = small;  // captured at its next call
+  return nullptr;
+}
+
+inline int run(McLayerCall* c) {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(c->stream, &capturing) != cudaSuccess) {
+    cudaGetLastError();  // e.g. the legacy stream while another thread captures: the launches will say
+    capturing = cudaStreamCaptureStatusActive;
+  }
+  Variant* v = capturing == cudaStreamCaptureStatusNone && c->num_tokens > 0 ? variant(c) : nullptr;
+  if (v == nullptr) return launch_all(c, c->stream, nullptr);
+  routing::NodeUpdate update{v->exec, v->nodes, 0};
+  int const status = launch_all(c, c->stream, &update);
+  if (status) return status;
+  c->failed = kGraph;
+  return int(cudaGraphLaunch(v->exec, c->stream));
+}
+
+inline void release(McLayerCall* c) {
+  if (c == nullptr || c->graphs == nullptr) return;
+  Graphs* g = static_cast<Graphs*>(c->graphs);
+  for (Variant& v : g->variants) v.release();
+  delete g;
+  c->graphs = nullptr;
+}
+
+}  // namespace layer_launch
+}  // namespace moe_cutlass
