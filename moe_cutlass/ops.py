@@ -12,6 +12,7 @@ An eager fused_moe call skips the dispatcher: it runs this module's checks and `
 import ctypes
 import functools
 import math
+import struct
 import threading
 import weakref
 from typing import NamedTuple
@@ -60,25 +61,27 @@ def _finite(x) -> bool:
 
 
 def _on(t, device, dtype, ndim) -> bool:
+    # get_device(): an int, where .device builds a torch.device object (host time is the point here)
     return isinstance(t, torch.Tensor) and t.dtype == dtype and t.dim() == ndim and t.is_contiguous() \
-        and t.device == device
+        and t.get_device() == device
 
 
 def _plainly_valid(hidden, experts, weights, ids, activation, limit, alpha, scale, expert_map, out, workspace) -> bool:
-    """True only when every check of _check_each passes, tested in one expression: a valid call costs
-    about a microsecond here, and only an invalid one pays for _check_each and its message."""
+    """True only when every check of _check_each passes but the experts' device (the eager path checks
+    that once per argument block, the ops through their weight tensors), tested in one expression: a
+    valid call costs about a microsecond here, and only an invalid one pays for _check_each and its
+    message."""
     if type(experts) is not PreparedExperts or not isinstance(hidden, torch.Tensor) or not isinstance(ids, torch.Tensor):
         return False
-    device, M = hidden.device, hidden.shape[0] if hidden.dim() == 2 else -1
-    return (device.type == "cuda" and _on(hidden, device, torch.bfloat16, 2) and hidden.shape[1] == experts.hidden_size
+    device, M = hidden.get_device(), hidden.shape[0] if hidden.dim() == 2 else -1
+    return (hidden.is_cuda and _on(hidden, device, torch.bfloat16, 2) and hidden.shape[1] == experts.hidden_size
             and ids.dtype in INDEX_DTYPES and ids.dim() == 2 and ids.shape[0] == M and ids.is_contiguous()
-            and ids.device == device and _on(weights, device, torch.float32, 2) and weights.shape == ids.shape
+            and ids.get_device() == device and _on(weights, device, torch.float32, 2) and weights.shape == ids.shape
             and activation in ACTIVATIONS and (limit is None or (_finite(limit) and limit > 0)) and _finite(alpha)
             and _finite(scale) and (expert_map is None or _on(expert_map, device, torch.int32, 1))
             and (out is None or (_on(out, device, torch.bfloat16, 2) and out.shape == hidden.shape))
             and (workspace is None or (type(workspace) is Workspace and _on(workspace.buffer, device, torch.uint8, 1)
-                                       and type(workspace.max_tokens) is int and workspace.max_tokens >= M))
-            and experts.device == device)
+                                       and type(workspace.max_tokens) is int and workspace.max_tokens >= M)))
 
 
 def _check_each(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
@@ -108,6 +111,10 @@ def _check_each(hidden_states, experts, topk_weights, topk_ids, activation, swig
     for name, t in named.items():
         if t is not None and t.device != device:
             raise ValueError(f"{name}: expected a tensor on {device} (where hidden_states is), got {t.device}")
+    check_experts_device(experts, device)
+
+
+def check_experts_device(experts, device) -> None:
     if experts.device != device:
         raise ValueError(f"experts: prepared on {experts.device}, hidden_states on {device}; "
                          f"move them with experts.to({str(device)!r})")
@@ -162,6 +169,11 @@ class LayerCall(ctypes.Structure):
                 ("failed", ctypes.c_int32), ("graphs", _P)]
 
 
+# The per-call fields lead the block (hidden .. gemm2): a call writes them with one pack_into.
+_PER_CALL = struct.Struct("=QQQQqQQQ")
+assert [getattr(LayerCall, f).offset for f, _ in LayerCall._fields_[:8]] == list(range(0, _PER_CALL.size, 8))
+
+
 class _Gemms(NamedTuple):
     """The GEMM configs of one call: entry addresses for mc_layer, names for error messages."""
 
@@ -189,12 +201,11 @@ def _failed(status: int, name: str) -> RuntimeError:
 
 def launch(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
            routed_scaling_factor, expert_map, out, workspace, batch_invariant=False) -> None:
-    """The layer on arguments that check_args and check_pointers passed, on the current stream:
+    """The layer on arguments that check_args passed, on the current stream:
     expand -> GEMM1 (+ activation) -> GEMM2 (x routing weight) -> finalize into `out`."""
     if topk_ids.shape[0] == 0:
         return
-    index = hidden_states.device.index
-    require_sm90(index)
+    index = hidden_states.get_device()
     if index == torch._C._cuda_getDevice():  # current_device() without its Python-level checks
         _launch(index, hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
                 routed_scaling_factor, expert_map, out, workspace, batch_invariant)
@@ -215,6 +226,11 @@ _calls_lock = threading.Lock()
 
 def _call_block(experts, workspace, k, ids_dtype, activation, swiglu_limit, swiglu_alpha, routed_scaling_factor,
                 expert_map, index):
+    """A new argument block, after the checks a call repeats only through the block's key."""
+    device = torch.device("cuda", index)
+    require_sm90(index)
+    check_experts_device(experts, device)
+    check_pointers(None, None, workspace)
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
     p = pieces(workspace.max_tokens, k, E, H, I, index)
     if workspace.buffer.numel() < p.total:
@@ -254,7 +270,7 @@ def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_l
         workspace = cached_workspace(M, k, experts.num_experts, experts.hidden_size, experts.intermediate_size,
                                      index, stream)
     w13, w2 = experts.w13, experts.w2
-    key = (threading.get_ident(), experts.num_experts, experts.hidden_size, experts.intermediate_size,
+    key = (threading.get_ident(), index, experts.num_experts, experts.hidden_size, experts.intermediate_size,
            w13["blocks"].data_ptr(), w13["scales"].data_ptr(), _address(w13.get("bias")), w13.get("scale_max"),
            w2["blocks"].data_ptr(), w2["scales"].data_ptr(), _address(w2.get("bias")), w2.get("scale_max"),
            workspace.buffer.data_ptr(), workspace.buffer.numel(), workspace.max_tokens, k, topk_ids.dtype,
@@ -272,11 +288,13 @@ def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_l
             if len(_calls) >= _CALLS_MAX:
                 del _calls[next(iter(_calls))]
             _calls[key] = entry
-    block, address = entry[0], entry[1]
+    block, address = entry
     gemms = _gemms(M * k, experts.num_experts, batch_invariant)
-    block.hidden, block.topk_ids, block.topk_weights, block.out = (
-        hidden.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr(), out.data_ptr())
-    block.num_tokens, block.stream, block.gemm1, block.gemm2 = M, stream, gemms.gemm1, gemms.gemm2
+    hidden_ptr, out_ptr = hidden.data_ptr(), out.data_ptr()
+    if (hidden_ptr | out_ptr) % 16:
+        check_pointers(hidden, out, None)
+    _PER_CALL.pack_into(block, 0, hidden_ptr, topk_ids.data_ptr(), topk_weights.data_ptr(), out_ptr, M, stream,
+                        gemms.gemm1, gemms.gemm2)
     status = _layer_function()(address)
     if status:
         names = ("mc_expand_i64" if topk_ids.dtype == torch.int64 else "mc_expand_i32", *gemms.names, "mc_finalize",
@@ -370,7 +388,6 @@ def _empty_out(kw) -> torch.Tensor:
 
 
 def _run(kw, out) -> None:
-    check_pointers(kw["hidden_states"], out, kw["workspace"])
     launch(**kw, out=out)
 
 
