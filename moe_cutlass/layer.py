@@ -11,7 +11,7 @@ dispatcher (host time matters at decode sizes); traced code goes through torch.o
 """
 import torch
 
-from .ops import call, check_args, check_pointers, launch
+from .ops import call, check_args, check_pointers, empty_out, launch
 
 
 def _is_traced(hidden_states) -> bool:
@@ -41,8 +41,7 @@ def fused_moe(hidden_states, experts, topk_weights, topk_ids, activation="silu",
     check_args(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
                routed_scaling_factor, expert_map, out, workspace, batch_invariant)
     if out is None:
-        out = torch.empty(hidden_states.shape[0], experts.hidden_size, dtype=torch.bfloat16,
-                          device=hidden_states.device)
+        out = empty_out(hidden_states, experts, topk_ids)
     check_pointers(hidden_states, out, workspace)
     launch(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
            routed_scaling_factor, expert_map, out, workspace, batch_invariant)
