@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device-machine session: GPU tests, the fuzzer, the layer benchmark and a per-kernel profile, each
+# One device-machine session: GPU tests, the fuzzer, the soak, the layer benchmark and a per-kernel profile, each
 # writing its record (and log) into OUT. Run from the repository root of a tree whose
 # build/sm90 holds the built library; wheels for packages the machine lacks (cuda-python) in
 # WHEELS. Copy the records from OUT into benchmarks/results/ afterwards.
@@ -17,6 +17,7 @@ status=0
 timeout 330 python3 -m benchmarks.run_gpu_tests --out-dir "$OUT" tests -m gpu -p no:cacheprovider -p no:logging -q \
   2>&1 | tee "$OUT/tests.log" | tail -5 || status=1
 timeout 120 python3 -m benchmarks.fuzz --configs 1000 --time-budget 90 --out-dir "$OUT" 2>&1 | tail -2 || status=1
+timeout 120 python3 -m benchmarks.soak --out-dir "$OUT" 2>&1 | tee "$OUT/soak.log" | tail -2 || status=1
 timeout 170 python3 -m benchmarks.bench_moe --out-dir "$OUT" --reps 50 "$@" 2>&1 | tee "$OUT/bench.log" | grep graph \
   || status=1
 timeout 90 python3 -m benchmarks.bench_gemm --out-dir "$OUT" --shapes gptoss_decode_m4,dsv3_decode_m4,gptoss_m2048 --reps 30 \

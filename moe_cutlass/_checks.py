@@ -13,6 +13,7 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_SLOTS = 2**31 - 1  # the kernels count the M * top_k (token, expert) slots in int32 (routing.cuh, GEMM rows)
 
 
 def dtype_name(dtype):
@@ -92,6 +93,13 @@ def check_int(name, value, low=None, high=None):
         lo = "-inf" if low is None else low
         hi = "inf" if high is None else high
         raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {value}")
+
+
+def check_slots(name, tokens, top_k):
+    """Raise unless tokens * top_k slots fit the int32 the kernels count them in."""
+    if tokens * top_k > MAX_SLOTS:
+        raise ValueError(f"{name}: {tokens} tokens x top_k {top_k} = {tokens * top_k} (token, expert) slots, "
+                         f"more than the {MAX_SLOTS} (int32) the kernels index; split the batch")
 
 
 def check_float(name, value, positive=False):

@@ -11,7 +11,7 @@ dispatcher (host time matters at decode sizes); traced code goes through torch.o
 """
 import torch
 
-from .ops import call, check_args, launch
+from .ops import call, check_args, empty_out, launch
 
 
 def _is_traced(hidden_states) -> bool:
@@ -41,7 +41,7 @@ def fused_moe(hidden_states, experts, topk_weights, topk_ids, activation="silu",
     check_args(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
                routed_scaling_factor, expert_map, out, workspace, batch_invariant)
     if out is None:
-        out = torch.empty_like(hidden_states)  # [M, H] bf16 contiguous, as checked: a cheaper call than empty()
+        out = empty_out(hidden_states, experts, topk_ids)
     launch(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
            routed_scaling_factor, expert_map, out, workspace, batch_invariant)
     return out

@@ -20,10 +20,10 @@ from typing import NamedTuple
 import torch
 
 from . import _gemm, _lib, layout
-from ._checks import ACTIVATIONS, INDEX_DTYPES, check_int, check_layer_options, check_tensor
+from ._checks import ACTIVATIONS, INDEX_DTYPES, MAX_SLOTS, check_int, check_layer_options, check_slots, check_tensor
 from ._device import require_sm90
 from .experts import PreparedExperts
-from .workspace import GEMM_KINDS, Workspace, cached_workspace, pieces
+from .workspace import GEMM_KINDS, Workspace, cached_workspace, out_of_memory, pieces
 
 # The int entries of a prepared weight dict (layout.py), each passed to the ops as the int argument
 # <weight>_<key>, with the value that a dict without the entry means (as _gemm reads it).
@@ -76,7 +76,8 @@ def _plainly_valid(hidden, experts, weights, ids, activation, limit, alpha, scal
     device, M = hidden.get_device(), hidden.shape[0] if hidden.dim() == 2 else -1
     return (hidden.is_cuda and _on(hidden, device, torch.bfloat16, 2) and hidden.shape[1] == experts.hidden_size
             and ids.dtype in INDEX_DTYPES and ids.dim() == 2 and ids.shape[0] == M and ids.is_contiguous()
-            and ids.get_device() == device and _on(weights, device, torch.float32, 2) and weights.shape == ids.shape
+            and ids.get_device() == device and M * ids.shape[1] <= MAX_SLOTS and _on(weights, device, torch.float32, 2)
+            and weights.shape == ids.shape
             and activation in ACTIVATIONS and (limit is None or (_finite(limit) and limit > 0)) and _finite(alpha)
             and _finite(scale) and (expert_map is None or _on(expert_map, device, torch.int32, 1))
             and (out is None or (_on(out, device, torch.bfloat16, 2) and out.shape == hidden.shape))
@@ -91,6 +92,7 @@ def _check_each(hidden_states, experts, topk_weights, topk_ids, activation, swig
     check_tensor("hidden_states", hidden_states, dtype=torch.bfloat16, shape=("M", H), contiguous=True)
     M = hidden_states.shape[0]
     check_tensor("topk_ids", topk_ids, dtype=INDEX_DTYPES, shape=(M, "k"), contiguous=True)
+    check_slots("hidden_states, topk_ids", M, topk_ids.shape[1])
     check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_ids.shape), contiguous=True)
     check_layer_options(activation, swiglu_limit, swiglu_alpha, routed_scaling_factor)
     if expert_map is not None:
@@ -232,6 +234,7 @@ def _call_block(experts, workspace, k, ids_dtype, activation, swiglu_limit, swig
     check_experts_device(experts, device)
     check_pointers(None, None, workspace)
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+    check_slots("workspace", workspace.max_tokens, k)  # the GEMMs take its rows (act_rows) as an int32
     p = pieces(workspace.max_tokens, k, E, H, I, index)
     if workspace.buffer.numel() < p.total:
         raise ValueError(f"workspace: expected a buffer of at least {p.total} bytes for max_tokens="
@@ -382,9 +385,20 @@ def _checked(args, out) -> dict:
     return kw
 
 
+def empty_out(hidden_states, experts, topk_ids) -> torch.Tensor:
+    """fused_moe's output: bf16 [M, H] on hidden_states's device."""
+    try:
+        return torch.empty_like(hidden_states)  # [M, H] bf16 contiguous, as checked: cheaper than empty()
+    except torch.OutOfMemoryError as e:
+        M, H = hidden_states.shape[0], experts.hidden_size
+        raise out_of_memory("out", 2 * M * H, hidden_states.device,
+                            dict(M=M, top_k=topk_ids.shape[1], E=experts.num_experts, H=H,
+                                 I=experts.intermediate_size),
+                            "call with fewer tokens (split the batch), or pass a preallocated out=") from e
+
+
 def _empty_out(kw) -> torch.Tensor:
-    hidden = kw["hidden_states"]
-    return torch.empty(hidden.shape[0], kw["experts"].hidden_size, dtype=torch.bfloat16, device=hidden.device)
+    return empty_out(kw["hidden_states"], kw["experts"], kw["topk_ids"])
 
 
 def _run(kw, out) -> None:

@@ -5,7 +5,8 @@ allocates it (or lets `allocate_workspace` do so) and passes `fused_moe(..., wor
 one workspace serves every layer of that shape, since the calls of one stream run in order.
 Without one, fused_moe keeps a workspace per (device, stream, layer shape), grown for the
 largest batch seen; `free_workspaces()` drops them (not while a CUDA graph that captured a
-call is still to be replayed: the graph keeps writing to the memory it captured).
+call is still to be replayed: the graph keeps writing to the memory it captured). A workspace
+that does not fit in the GPU's memory is a torch.OutOfMemoryError that names it and the call.
 
 The pieces sit at byte offsets fixed by (max_tokens, top_k, E, H, I) and the SM count, not by
 the batch: a smaller batch uses the front of each piece, so the kernels see the same pointers
@@ -18,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from . import _gemm
-from ._checks import check_int
+from ._checks import check_int, check_slots
 from ._device import device_index
 from ._ops_routing import expand_workspace_numel
 from .experts import PreparedExperts
@@ -79,6 +80,7 @@ class Workspace:
 def _check_sizes(max_tokens, top_k, experts):
     check_int("max_tokens", max_tokens, 0)
     check_int("top_k", top_k, 1)
+    check_slots("max_tokens, top_k", max_tokens, top_k)
     if not isinstance(experts, PreparedExperts):
         raise TypeError(f"experts: expected the PreparedExperts that moe_cutlass.prepare_experts returns, "
                         f"got {type(experts).__name__}")
@@ -92,11 +94,30 @@ def workspace_size(max_tokens: int, top_k: int, experts: PreparedExperts, device
     return pieces(max_tokens, top_k, experts.num_experts, experts.hidden_size, experts.intermediate_size, index).total
 
 
+def out_of_memory(buffer: str, nbytes: int, device, sizes: dict, remedy: str) -> torch.OutOfMemoryError:
+    """The error for an allocation that did not fit (raise it from torch's): which buffer, how large,
+    for which call, and what to do instead. Still an OutOfMemoryError, the type engines catch to
+    retry with a smaller batch. Built only on failure: a call never asks the driver for its free
+    memory, which would cost host time every time."""
+    named = ", ".join(f"{name}={value}" for name, value in sizes.items())
+    return torch.OutOfMemoryError(f"{buffer}: {nbytes} bytes ({nbytes / 2**30:.2f} GiB) for {named} do not fit in "
+                                  f"the free memory of {device}; {remedy}")
+
+
+def _allocate(size, device, sizes, remedy) -> torch.Tensor:
+    try:
+        return torch.empty(size, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError as e:
+        raise out_of_memory("workspace", size, device, sizes, remedy) from e
+
+
 def allocate_workspace(max_tokens: int, top_k: int, experts: PreparedExperts, device=None) -> Workspace:
     """A Workspace for fused_moe calls of up to max_tokens tokens (see workspace_size)."""
     device = experts.device if device is None else torch.device(device)
-    return Workspace(torch.empty(workspace_size(max_tokens, top_k, experts, device), dtype=torch.uint8, device=device),
-                     max_tokens)
+    sizes = dict(max_tokens=max_tokens, top_k=top_k, E=experts.num_experts, H=experts.hidden_size,
+                 I=experts.intermediate_size)
+    return Workspace(_allocate(workspace_size(max_tokens, top_k, experts, device), device, sizes,
+                               "ask for fewer max_tokens"), max_tokens)
 
 
 _cache = {}
@@ -109,10 +130,14 @@ def cached_workspace(num_tokens, top_k, E, H, I, index, stream) -> Workspace:
     key = (index, stream, top_k, E, H, I)
     workspace = _cache.get(key)
     if workspace is None or workspace.max_tokens < num_tokens:
-        _cache.pop(key, None)  # free the old one before allocating the larger one
-        size = pieces(num_tokens, top_k, E, H, I, index).total
-        workspace = _cache[key] = Workspace(
-            torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", index)), num_tokens)
+        # Free the old one before allocating the larger one; if that fails, the key holds nothing
+        # and the next call allocates what it needs afresh.
+        _cache.pop(key, None)
+        buffer = _allocate(pieces(num_tokens, top_k, E, H, I, index).total, torch.device("cuda", index),
+                           dict(M=num_tokens, top_k=top_k, E=E, H=H, I=I),
+                           "call with fewer tokens (split the batch), or budget the memory up front: a workspace "
+                           "for the largest batch (moe_cutlass.allocate_workspace) passed as workspace=")
+        workspace = _cache[key] = Workspace(buffer, num_tokens)
     return workspace
 
 

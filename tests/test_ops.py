@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_cutlass as mc
 from moe_cutlass import _gemm, _lib, layout, ops
+from moe_cutlass._checks import MAX_SLOTS
 from test_fused_moe import assert_close, random_experts, random_hidden, random_routing
 
 E, H, I, K = 8, 64, 32, 2
@@ -87,6 +88,9 @@ def test_compiled_fused_moe_has_a_symbolic_token_count():
     (lambda: dict(topk_ids=torch.empty(6, K, dtype=torch.int32, device="cuda")), ValueError, "topk_ids"),
     (lambda: dict(topk_weights=torch.empty(5, K + 1, device="cuda")), ValueError, "topk_weights"),
     (lambda: dict(topk_weights=torch.empty(5, K, device="cpu")), ValueError, "topk_weights"),
+    (lambda: dict(hidden_states=torch.empty(2**30, H, dtype=torch.bfloat16, device="cuda"),  # 2^31 slots
+                  topk_ids=torch.empty(2**30, K, dtype=torch.int32, device="cuda"),
+                  topk_weights=torch.empty(2**30, K, device="cuda")), ValueError, "hidden_states, topk_ids"),
     (lambda: dict(activation="gelu"), ValueError, "activation"),
     (lambda: dict(swiglu_limit=0.0), ValueError, "swiglu_limit"),
     (lambda: dict(swiglu_alpha=float("nan")), ValueError, "swiglu_alpha"),
@@ -138,6 +142,33 @@ def test_op_checks_the_sizes():
         args["hidden_states"] = torch.empty(5, 48, dtype=torch.bfloat16, device="cuda")
         with pytest.raises(ValueError, match="hidden_size"):
             torch.ops.moe_cutlass.fused_moe(*ops.op_args(**args))
+
+
+def test_the_slot_limit_is_the_kernels_int32():
+    with FakeTensorMode():  # fake tensors: no memory behind these sizes
+        def call(M, k):
+            return fake_call(M, hidden_states=torch.empty(M, H, dtype=torch.bfloat16, device="cuda"),
+                             topk_ids=torch.empty(M, k, dtype=torch.int32, device="cuda"),
+                             topk_weights=torch.empty(M, k, device="cuda"))
+        most = call(MAX_SLOTS, 1)
+        assert ops._plainly_valid(*most.values())
+        assert mc.fused_moe(**most).shape == (MAX_SLOTS, H)
+        one_more = call((MAX_SLOTS + 1) // 4, 4)
+        for fused_moe in (ops.check_args, mc.fused_moe):  # the checks alone, and the layer through the op
+            with pytest.raises(ValueError, match=f"hidden_states, topk_ids: .*{MAX_SLOTS} \\(int32\\)"):
+                fused_moe(**one_more)
+
+
+def test_an_output_that_does_not_fit_says_so(monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    experts = cpu_experts(False)
+    monkeypatch.setattr(torch, "empty_like", no_memory)
+    with pytest.raises(torch.OutOfMemoryError, match=f"out: {2 * 1000 * H} bytes .* for M=1000, top_k=3, E={E}, "
+                                                     f"H={H}, I={I} .*out=") as info:
+        ops.empty_out(torch.zeros(1000, H), experts, torch.zeros(1000, 3))
+    assert str(info.value.__cause__) == "CUDA out of memory"
 
 
 def cpu_experts(bias):

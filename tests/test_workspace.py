@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import moe_cutlass as mc
-from moe_cutlass.workspace import ALIGNMENT, Pieces, carve
+from moe_cutlass.workspace import ALIGNMENT, Pieces, _cache, cached_workspace, carve
 from test_fused_moe import assert_close, random_experts, random_hidden, random_routing
 
 E, H, I = 8, 96, 64
@@ -54,12 +54,29 @@ def test_fused_moe_refuses_a_bad_workspace(workspace, error):
 @pytest.mark.parametrize("args, error, name", [
     (dict(max_tokens=-1), ValueError, "max_tokens"),
     (dict(top_k=0), ValueError, "top_k"),
+    (dict(max_tokens=2**30, top_k=2), ValueError, "max_tokens, top_k: .* 2147483647 \\(int32\\)"),
     (dict(experts=object()), TypeError, "experts"),
     (dict(device="cpu"), ValueError, "device"),
 ])
 def test_workspace_size_names_the_bad_argument(args, error, name):
     with pytest.raises(error, match=name):
         mc.workspace_size(**(dict(max_tokens=4, top_k=2, experts=cpu_experts(), device="cuda:0") | args))
+
+
+def no_memory(*args, **kwargs):
+    raise torch.OutOfMemoryError("CUDA out of memory")
+
+
+def test_a_cached_workspace_that_does_not_fit_says_so_and_leaves_no_entry(monkeypatch):
+    monkeypatch.setattr("moe_cutlass.workspace.pieces", lambda M, k, E, H, I, index: carve(M, k, E, H, I, (0, 0), 0))
+    key = (0, 123, 4, E, H, I)  # (device, stream, top_k, E, H, I)
+    monkeypatch.setitem(_cache, key, mc.Workspace(torch.empty(64, dtype=torch.uint8), 1))
+    monkeypatch.setattr(torch, "empty", no_memory)
+    size = carve(10**6, 4, E, H, I, (0, 0), 0).total
+    with pytest.raises(torch.OutOfMemoryError, match=f"workspace: {size} bytes .* for M=1000000, top_k=4, E={E}, "
+                                                     f"H={H}, I={I} .*allocate_workspace"):
+        cached_workspace(10**6, 4, E, H, I, 0, 123)
+    assert key not in _cache  # neither the smaller one it replaced nor a half-built one
 
 
 # ---- GPU ----
@@ -153,3 +170,47 @@ def test_free_workspaces_returns_the_cached_memory(experts):
     assert torch.cuda.memory_allocated() <= before - mc.workspace_size(4096, 4, experts)
     out = mc.fused_moe(x, experts, weights, ids)  # allocates a new one
     assert_close(out, mc.reference.fused_moe_float(x, experts, weights, ids))
+
+
+def twice_the_gpu():
+    return 2 * torch.cuda.get_device_properties(0).total_memory
+
+
+@pytest.mark.gpu
+def test_a_batch_whose_workspace_exceeds_the_gpu_is_an_out_of_memory_error_and_the_next_call_works():
+    # Small experts, wide rows, many slots a token: the workspace holds top_k rows of 2H bytes per
+    # token, so twice the GPU's memory takes only a few GB of hidden_states (and of out).
+    E_, H_, I_, k = 4, 8192, 32, 128
+    gen = torch.Generator("cuda").manual_seed(30)
+    experts = random_experts(E_, H_, I_, gen)
+
+    def routing(M):  # ids repeat (k > E): a token may pick an expert several times
+        return (torch.rand(M, k, device="cuda", generator=gen).softmax(dim=1),
+                torch.randint(0, E_, (M, k), dtype=torch.int32, device="cuda", generator=gen))
+
+    x, (weights, ids) = random_hidden(64, H_, gen), routing(64)
+    first = mc.fused_moe(x, experts, weights, ids)  # caches a workspace for this stream and (k, E, H, I)
+    M = -(-twice_the_gpu() // (k * 2 * H_))
+    assert M * k < 2**31  # within the kernels' limit: the allocation is what fails
+    big = (torch.zeros(M, H_, dtype=torch.bfloat16, device="cuda"), torch.zeros(M, k, device="cuda"),
+           torch.zeros(M, k, dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    message = rf"workspace: \d+ bytes \(.* GiB\) for M={M}, top_k={k}, E={E_}, H={H_}, I={I_} do not fit .*workspace="
+    with pytest.raises(torch.OutOfMemoryError, match=message) as info:
+        mc.fused_moe(big[0], experts, big[1], big[2])
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)  # torch's own, with the free memory
+    del info  # its traceback holds the call's frames, and with them its output
+    # Nothing of the failed call stays allocated, and the smaller cached workspace went before it.
+    assert torch.cuda.memory_allocated() < allocated
+    assert torch.equal(mc.fused_moe(x, experts, weights, ids), first)
+    assert_close(first, mc.reference.fused_moe_float(x, experts, weights, ids))
+
+
+@pytest.mark.gpu
+def test_a_workspace_larger_than_the_gpu_is_an_out_of_memory_error(experts):
+    max_tokens = twice_the_gpu() // (4 * 2 * 256)
+    with pytest.raises(torch.OutOfMemoryError, match=f"workspace: .* for max_tokens={max_tokens}, top_k=4, E=16, "
+                                                     f"H=256, I=128 do not fit .*fewer max_tokens"):
+        mc.allocate_workspace(max_tokens, 4, experts)
+    assert mc.allocate_workspace(64, 4, experts).max_tokens == 64

@@ -40,9 +40,14 @@ int mc_finalize(const void* rows, int64_t rows_stride, int64_t num_rows, const i
                 void* out, int64_t out_stride, cudaStream_t stream);
 /* The whole layer in one call: expand -> call->gemm1 -> call->gemm2 -> finalize on call->stream;
  * call points to a struct McLayerCall (templates/sm90/moe_layer_call.h). On a non-zero status, call->failed names
- * the launch that failed (0 expand, 1 GEMM1, 2 GEMM2, 3 finalize); later launches are not made. */
+ * the launch that failed (0 expand, 1 GEMM1, 2 GEMM2, 3 finalize, 4 the graph launch); later launches are not
+ * made. From the second call of a block with the same GEMM configs, the launches are one CUDA graph launch
+ * (not while call->stream is being captured); call->graphs holds the graphs, freed by mc_layer_release. */
 int mc_layer(void* call);
-/* The byte offset of every field of struct McLayerCall in declaration order, then its size (43
+/* Frees the CUDA graphs mc_layer keeps in call->graphs (a launch in flight completes); the block may be
+ * used again. Host only. */
+void mc_layer_release(void* call);
+/* The byte offset of every field of struct McLayerCall in declaration order, then its size (44
  * values): the Python mirror checks its layout against the compiler's. Host only. */
 void mc_layer_call_layout(int64_t* offsets);
 /* Message of a status code returned by any mc_ function (a cudaError_t value). */

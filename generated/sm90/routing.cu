@@ -32,9 +32,14 @@ int mc_finalize(const void* rows, int64_t rows_stride, int64_t num_rows, const i
                 void* out, int64_t out_stride, cudaStream_t stream);
 /* The whole layer in one call: expand -> call->gemm1 -> call->gemm2 -> finalize on call->stream;
  * call points to a struct McLayerCall (templates/sm90/moe_layer_call.h). On a non-zero status, call->failed names
- * the launch that failed (0 expand, 1 GEMM1, 2 GEMM2, 3 finalize); later launches are not made. */
+ * the launch that failed (0 expand, 1 GEMM1, 2 GEMM2, 3 finalize, 4 the graph launch); later launches are not
+ * made. From the second call of a block with the same GEMM configs, the launches are one CUDA graph launch
+ * (not while call->stream is being captured); call->graphs holds the graphs, freed by mc_layer_release. */
 int mc_layer(void* call);
-/* The byte offset of every field of struct McLayerCall in declaration order, then its size (43
+/* Frees the CUDA graphs mc_layer keeps in call->graphs (a launch in flight completes); the block may be
+ * used again. Host only. */
+void mc_layer_release(void* call);
+/* The byte offset of every field of struct McLayerCall in declaration order, then its size (44
  * values): the Python mirror checks its layout against the compiler's. Host only. */
 void mc_layer_call_layout(int64_t* offsets);
 /* Message of a status code returned by any mc_ function (a cudaError_t value). */
@@ -44,8 +49,9 @@ const char* mc_error_string(int code);
 #include <cmath>
 #include <cstddef>
 
-#include "routing.cuh"
+#include "layer_launch.cuh"
 #include "moe_layer_call.h"
+#include "routing.cuh"
 
 namespace routing = moe_cutlass::routing;
 
@@ -90,35 +96,11 @@ extern "C" int mc_finalize(const void* rows, int64_t rows_stride, int64_t num_ro
 extern "C" int mc_layer(void* call) {
   McLayerCall* const c = static_cast<McLayerCall*>(call);
   if (c == nullptr || c->gemm1 == nullptr || c->gemm2 == nullptr) return int(cudaErrorInvalidValue);
-  int32_t const k = int32_t(c->top_k), E = int32_t(c->num_experts);
-  int64_t const H = c->hidden_size, I = c->intermediate_size, rows = c->num_tokens * c->top_k;
-  c->failed = 0;
-  int status = c->ids_int64
-      ? routing::expand(static_cast<const int64_t*>(c->topk_ids), c->topk_weights, c->num_tokens, k, c->expert_map,
-                        c->num_global_experts, E, c->hidden, H, H, c->expert_counts, c->expert_offsets,
-                        c->sorted_slots, c->slot_to_row, c->gathered, H, c->row_weights, c->expand_workspace,
-                        c->expand_workspace_ints, c->stream)
-      : routing::expand(static_cast<const int32_t*>(c->topk_ids), c->topk_weights, c->num_tokens, k, c->expert_map,
-                        c->num_global_experts, E, c->hidden, H, H, c->expert_counts, c->expert_offsets,
-                        c->sorted_slots, c->slot_to_row, c->gathered, H, c->row_weights, c->expand_workspace,
-                        c->expand_workspace_ints, c->stream);
-  if (status) return status;
-  c->failed = 1;
-  status = c->gemm1(c->w13_blocks, c->w13_scales, c->w13_bias, c->gathered, int32_t(c->act_rows), c->expert_offsets,
-                    nullptr, c->inter, E, int32_t(2 * I), int32_t(H), int32_t(c->w13_scale_max),
-                    int32_t(c->activation), c->swiglu_alpha, c->swiglu_limit, c->gemm1_workspace,
-                    size_t(c->gemm1_workspace_bytes), c->stream);
-  if (status) return status;
-  // The gathered rows are dead once GEMM1 has read them: GEMM2 writes its rows there. Its
-  // activation arguments are unused; fixed values keep its cached launch parameters valid.
-  c->failed = 2;
-  status = c->gemm2(c->w2_blocks, c->w2_scales, c->w2_bias, c->inter, int32_t(c->act_rows), c->expert_offsets,
-                    c->row_weights, c->gathered, E, int32_t(H), int32_t(I), int32_t(c->w2_scale_max), 0, 1.702f,
-                    INFINITY, c->gemm2_workspace, size_t(c->gemm2_workspace_bytes), c->stream);
-  if (status) return status;
-  c->failed = 3;
-  return routing::finalize(c->gathered, H, rows, c->slot_to_row, c->num_tokens, k, H, c->routed_scaling_factor,
-                           c->out, H, c->stream);
+  return moe_cutlass::layer_launch::run(c);
+}
+
+extern "C" void mc_layer_release(void* call) {
+  moe_cutlass::layer_launch::release(static_cast<McLayerCall*>(call));
 }
 
 extern "C" void mc_layer_call_layout(int64_t* offsets) {
@@ -134,7 +116,7 @@ extern "C" void mc_layer_call_layout(int64_t* offsets) {
       int64_t(offsetof(McLayerCall, act_rows)), int64_t(offsetof(McLayerCall, gemm1_workspace)), int64_t(offsetof(McLayerCall, gemm1_workspace_bytes)), int64_t(offsetof(McLayerCall, gemm2_workspace)),
       int64_t(offsetof(McLayerCall, gemm2_workspace_bytes)), int64_t(offsetof(McLayerCall, activation)), int64_t(offsetof(McLayerCall, swiglu_alpha)), int64_t(offsetof(McLayerCall, swiglu_limit)),
       int64_t(offsetof(McLayerCall, routed_scaling_factor)), int64_t(offsetof(McLayerCall, failed)),
-      int64_t(sizeof(McLayerCall))};
+      int64_t(offsetof(McLayerCall, graphs)), int64_t(sizeof(McLayerCall))};
   for (size_t i = 0; i < sizeof(layout) / sizeof(layout[0]); ++i) offsets[i] = layout[i];
 }
 
