@@ -71,7 +71,7 @@ def test_routing_abi():
     routing = next(k for k in manifest["kernels"] if k["name"] == "routing")
     names = [fn["name"] for fn in routing["functions"]]
     assert names == ["mc_expand_i32", "mc_expand_i64", "mc_expand_workspace_ints", "mc_finalize", "mc_layer",
-                     "mc_layer_release", "mc_layer_call_layout", "mc_error_string"]
+                     "mc_layer_graph_count", "mc_layer_release", "mc_layer_call_layout", "mc_error_string"]
     for fn in routing["functions"]:
         if fn["name"] == "mc_layer":  # its stream travels in the argument block
             assert [p["type"] for p in fn["params"]] == ["void*"]

@@ -349,6 +349,15 @@ def test_layer_call_matches_the_c_struct():
 
 # ---- GPU: repeated eager calls replay mc_layer's CUDA graph (templates/sm90/layer_launch.cuh) ----
 
+def graph_count(experts, workspace) -> int:
+    """CUDA graphs ready in the argument block that calls on `experts` with `workspace` use."""
+    count = _lib.library().function("mc_layer_graph_count")
+    blocks = [address for key, (_, address) in ops._calls.items()
+              if workspace.buffer.data_ptr() in key and experts.w13["blocks"].data_ptr() in key]
+    assert len(blocks) == 1
+    return count(blocks[0])
+
+
 def direct(x, experts, weights, ids, **options):
     """The layer through the direct launches: the first call on a fresh workspace (a new argument block)."""
     workspace = mc.allocate_workspace(x.shape[0], ids.shape[1], experts)
@@ -370,6 +379,7 @@ def test_replayed_calls_take_each_calls_arguments(variant):
         mc.fused_moe(x, experts, weights, ids, out=out, workspace=workspace, **options)
         calls.append((out, x, weights, ids))
     torch.cuda.synchronize()
+    assert graph_count(experts, workspace) == 2  # the one-kernel and the four-kernel expand, each replayed
     for out, x, weights, ids in calls:
         assert torch.equal(out, direct(x, experts, weights, ids, **options))
     out, x, weights, ids = calls[-1]

@@ -44,6 +44,8 @@ int mc_finalize(const void* rows, int64_t rows_stride, int64_t num_rows, const i
  * made. From the second call of a block with the same GEMM configs, the launches are one CUDA graph launch
  * (not while call->stream is being captured); call->graphs holds the graphs, freed by mc_layer_release. */
 int mc_layer(void* call);
+/* How many CUDA graphs mc_layer keeps ready for this block (0: its calls launch the kernels directly). Host only. */
+int32_t mc_layer_graph_count(const void* call);
 /* Frees the CUDA graphs mc_layer keeps in call->graphs (a launch in flight completes); the block may be
  * used again. Host only. */
 void mc_layer_release(void* call);

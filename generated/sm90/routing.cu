@@ -36,6 +36,8 @@ int mc_finalize(const void* rows, int64_t rows_stride, int64_t num_rows, const i
  * made. From the second call of a block with the same GEMM configs, the launches are one CUDA graph launch
  * (not while call->stream is being captured); call->graphs holds the graphs, freed by mc_layer_release. */
 int mc_layer(void* call);
+/* How many CUDA graphs mc_layer keeps ready for this block (0: its calls launch the kernels directly). Host only. */
+int32_t mc_layer_graph_count(const void* call);
 /* Frees the CUDA graphs mc_layer keeps in call->graphs (a launch in flight completes); the block may be
  * used again. Host only. */
 void mc_layer_release(void* call);
@@ -97,6 +99,10 @@ extern "C" int mc_layer(void* call) {
   McLayerCall* const c = static_cast<McLayerCall*>(call);
   if (c == nullptr || c->gemm1 == nullptr || c->gemm2 == nullptr) return int(cudaErrorInvalidValue);
   return moe_cutlass::layer_launch::run(c);
+}
+
+extern "C" int32_t mc_layer_graph_count(const void* call) {
+  return moe_cutlass::layer_launch::graph_count(static_cast<const McLayerCall*>(call));
 }
 
 extern "C" void mc_layer_release(void* call) {

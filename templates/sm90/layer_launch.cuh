@@ -114,17 +114,16 @@ inline bool capture(McLayerCall* c, Variant& v) {
   size_t n = 1;
   ok = ok && v.graph != nullptr && cudaGraphGetRootNodes(v.graph, v.nodes, &n) == cudaSuccess && n == 1;
   int count = ok ? 1 : 0;
-  while (ok) {  // a chain: each node has one successor (a programmatic edge: PDL), the last none
+  while (ok) {  // a chain: each node has one successor, the last none
     cudaGraphNodeType type;
     ok = cudaGraphNodeGetType(v.nodes[count - 1], &type) == cudaSuccess && type == cudaGraphNodeTypeKernel;
-    cudaGraphNode_t next[2];
-    cudaGraphEdgeData edges[2];
-    size_t n_next = 2;
-    ok = ok && cudaGraphNodeGetDependentNodes(v.nodes[count - 1], next, edges, &n_next) == cudaSuccess &&
-         n_next <= 1;
-    if (!ok || n_next == 0) break;
-    ok = count < kMaxNodes;
-    if (ok) v.nodes[count++] = next[0];
+    size_t next = 0;
+    ok = ok && cudaGraphNodeGetDependentNodes(v.nodes[count - 1], nullptr, nullptr, &next) == cudaSuccess &&
+         next <= 1;
+    if (!ok || next == 0) break;
+    ok = count < kMaxNodes &&
+         cudaGraphNodeGetDependentNodes(v.nodes[count - 1], v.nodes + count, nullptr, &next) == cudaSuccess;
+    ++count;
   }
   v.num_nodes = count;
   ok = ok && count == (v.small ? 1 : 4) + kGemmNodes + 1 &&
@@ -168,6 +167,14 @@ inline int run(McLayerCall* c) {
   if (status) return status;
   c->failed = kGraph;
   return int(cudaGraphLaunch(v->exec, c->stream));
+}
+
+inline int graph_count(McLayerCall const* c) {
+  if (c == nullptr || c->graphs == nullptr) return 0;
+  Graphs const& g = *static_cast<Graphs const*>(c->graphs);
+  int n = 0;
+  for (int i = 0; i < g.used; ++i) n += g.variants[i].exec != nullptr;
+  return n;
 }
 
 inline void release(McLayerCall* c) {

@@ -1,7 +1,7 @@
 // moe_cutlass: launcher of one MXFP4 x BF16 MoE grouped GEMM configuration (SM90).
 //
 // Per call, on the caller's stream, nothing read back to the host (CUDA-graph capturable): ONE
-// launch (programmatic dependent launch: MoePdlKernel), the CUTLASS ptr-array kernel (persistent, grid = #SMs) with our mainloop
+// launch, the CUTLASS ptr-array kernel (persistent, grid = #SMs) with our mainloop
 // (moe_gemm_mainloop.hpp) and epilogue (moe_gemm_epilogue.hpp). Its grouped tile scheduler reads
 // the per-expert problem shapes through MoeProblemShape, straight from expand's offsets (a setup
 // kernel used to write them out first: one launch and ~1.5-3 us per GEMM at decode). Its TMA
@@ -55,21 +55,6 @@ struct MoeProblemShape {
   CUTLASS_HOST_DEVICE bool is_host_problem_shape_available() const { return false; }
 };
 
-// The CUTLASS 4.2 SM90 ptr-array kernels have no grid dependency control (its non-array SM90
-// kernels do), so this wrapper adds it: launched with programmatic dependent launch, a GEMM may
-// start while the kernel before it is still running; every thread first waits for that kernel
-// (griddepcontrol.wait) and only then runs the CUTLASS kernel, whose first reads (the scheduler's
-// problem shapes from expand's offsets) depend on it. It then lets the next kernel launch early.
-// What overlaps is launch latency and CTA dispatch, not memory traffic.
-template <class Base>
-struct MoePdlKernel : Base {
-  CUTLASS_DEVICE void operator()(typename Base::Params const& params, char* smem) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    Base::operator()(params, smem);
-  }
-};
-
 template <int Kind, int TileM, int TileN, int TileK, bool Pingpong>
 struct MoeGemmConfig {
   using TileShape = Shape<Int<TileM>, Int<TileN>, Int<TileK>>;
@@ -84,7 +69,7 @@ struct MoeGemmConfig {
   using Mainloop = Mxfp4MoeMainloop<Stages, TileShape, Schedule>;
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<MoeEpilogue<Kind, TileShape>>;
   using ProblemShape = MoeProblemShape;
-  using Kernel = MoePdlKernel<cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
@@ -251,7 +236,7 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
     entry.params = params;
     entry.valid = true;
   }
-  if (Cfg::Gemm::run(params, stream, nullptr, /*launch_with_pdl=*/true) != cutlass::Status::kSuccess) {
+  if (Cfg::Gemm::run(params, stream) != cutlass::Status::kSuccess) {
     cudaError_t const err = cudaGetLastError();
     return err != cudaSuccess ? int(err) : int(cudaErrorLaunchFailure);
   }

@@ -206,21 +206,10 @@ __device__ void gather_rows(const ExpandArgs<IdT>& a, const int* sorted, int tot
   }
 }
 
-// Every kernel here is launched with programmatic dependent launch (PDL): it may start while the
-// kernel before it on the stream is still running, so its first act is to wait for that kernel's
-// completion and memory (griddepcontrol.wait; a no-op without a programmatic predecessor). It then
-// lets the next kernel launch early: that one waits the same way, so only the launch latency and
-// block dispatch overlap, never memory traffic.
-__device__ __forceinline__ void follow_previous_kernel() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
 // Small inputs, one launch: every block computes the whole routing in shared memory,
 // block 0 publishes the maps, and all blocks gather.
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_small_kernel(ExpandArgs<IdT> a) {
-  follow_previous_kernel();
   __shared__ int tile_expert[kSmallSlots];
   __shared__ int sorted[kSmallSlots];
   __shared__ int hist[kWarps * kMaxExperts];
@@ -267,7 +256,6 @@ __device__ __forceinline__ int tile_len(const ExpandArgs<IdT>& a) {
 // Large path 1/4: tile_prefix[b][e] = slots of expert e in tile b.
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_count_kernel(ExpandArgs<IdT> a) {
-  follow_previous_kernel();
   __shared__ int tile_expert[kTileSlots];
   __shared__ int hist[kWarps * kMaxExperts];
   const int len = tile_len(a);
@@ -284,7 +272,6 @@ __global__ void __launch_bounds__(kThreads) expand_count_kernel(ExpandArgs<IdT> 
 // expert counts and offsets.
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_prefix_kernel(ExpandArgs<IdT> a, int num_tiles) {
-  follow_previous_kernel();
   __shared__ int counts[kMaxExperts];
   __shared__ int offsets[kMaxExperts + 1];
   const int E = a.num_experts;
@@ -315,7 +302,6 @@ __global__ void __launch_bounds__(kThreads) expand_prefix_kernel(ExpandArgs<IdT>
 // Large path 3/4: stable rows of the tile's slots; writes the maps and row weights.
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_scatter_kernel(ExpandArgs<IdT> a) {
-  follow_previous_kernel();
   __shared__ int tile_expert[kTileSlots];
   __shared__ int hist[kWarps * kMaxExperts];
   const int begin = tile_begin();
@@ -341,16 +327,15 @@ __global__ void __launch_bounds__(kThreads) expand_scatter_kernel(ExpandArgs<IdT
 // Large path 4/4: gather the rows; the row count is read on the device.
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_gather_kernel(ExpandArgs<IdT> a) {
-  follow_previous_kernel();
   gather_rows(a, a.sorted_slots, a.expert_offsets[a.num_experts]);
 }
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
-// Where a launch goes: onto the stream (with PDL, see follow_previous_kernel), or, when mc_layer
-// replays the CUDA graph it captured from these same launches (templates/sm90/layer_launch.cuh),
-// into the next kernel node of that graph, with this call's arguments and grid. The same code
-// path decides both, so the node sequence of a graph always matches the launches it stands for.
+// Where a launch goes: onto the stream, or (mc_layer replaying the CUDA graph it captured from
+// these same launches, templates/sm90/layer_graph.cuh) into the next kernel node of that graph,
+// with this call's arguments and grid. The same code path decides both, so the node sequence
+// of a graph always matches the launches it stands for.
 struct NodeUpdate {
   cudaGraphExec_t exec;
   const cudaGraphNode_t* nodes;
@@ -366,16 +351,8 @@ template <class... P>
 inline cudaError_t launch(void (*kernel)(P...), int grid, cudaStream_t stream, NodeUpdate* update,
                           typename Same<P>::type... args) {
   if (update == nullptr) {
-    cudaLaunchAttribute pdl = {};
-    pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    pdl.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(grid);
-    config.blockDim = dim3(kThreads);
-    config.stream = stream;
-    config.attrs = &pdl;
-    config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, kernel, args...);
+    kernel<<<grid, kThreads, 0, stream>>>(args...);
+    return cudaGetLastError();
   }
   void* params[] = {static_cast<void*>(&args)...};
   cudaKernelNodeParams node = {};
@@ -459,7 +436,6 @@ struct FinalizeArgs {
 // One thread per 16-byte chunk of an output row: fp32 sum over j in order 0..k-1, then
 // one multiply by the scaling factor and one rounding to bf16.
 __global__ void __launch_bounds__(kThreads) finalize_kernel(FinalizeArgs a) {
-  follow_previous_kernel();
   const int64_t n = a.num_tokens * a.chunks_per_row;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
