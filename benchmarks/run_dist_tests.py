@@ -1,7 +1,7 @@
 """Run the multi-GPU tests under torchrun, one pytest per GPU, and write one tests record.
 
 usage: python -m benchmarks.run_dist_tests [--nproc 2] [--timeout 300] [--out-dir DIR] [pytest args...]
-(default pytest args: tests/dist/test_parallel_nccl.py)
+(default pytest args: tests/distributed/test_parallel_nccl.py)
 
 Each rank runs this module again as a worker: a pytest whose outcomes it rewrites to a scratch file
 after every test, so what a rank got to survives its death. A test passed if it passed on every
@@ -22,7 +22,7 @@ from pathlib import Path
 from benchmarks.record import write_record
 from benchmarks.run_gpu_tests import Outcomes
 
-DEFAULT_TESTS = ["tests/dist/test_parallel_nccl.py"]
+DEFAULT_TESTS = ["tests/distributed/test_parallel_nccl.py"]
 # NVLink multicast stays off, as the device machines require (it can take a shared host's GPUs out of
 # service); setdefault: a value the environment already has wins.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -4,7 +4,7 @@ Each rank's share runs through the same pure pieces as ExpertParallel's forward;
 are done by slicing and concatenating. The experts run through the float32 reference on the CPU
 (`local_layer`), through fused_moe on a GPU (tests marked gpu), or through a stand-in whose rows
 do not depend on the batch at all, against which exact mode must be bitwise. The layers themselves,
-over real process groups: tests/dist.
+over real process groups: tests/distributed.
 """
 import pytest
 import torch
