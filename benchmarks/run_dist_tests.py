@@ -7,8 +7,9 @@ Each rank runs this module again as a worker: a pytest whose outcomes it rewrite
 after every test, so what a rank got to survives its death. A test passed if it passed on every
 rank; it failed if it failed on one, or if a rank never reported it (it died or hung before). Rank 0
 prints to the console, the others to a log shown when they fail. torchrun and its ranks are killed
-after --timeout seconds (each rank leaves its pid: torchrun starts them in sessions of their own). The record is run_gpu_tests' with "world_size" and "per_rank" added.
-Exits 0 only if every rank ran to its end and no test failed.
+after --timeout seconds (each rank leaves its pid: torchrun starts them in sessions of their own).
+The record is run_gpu_tests' with "world_size" and "per_rank" added. Exits 0 only if every rank ran
+to its end and no test failed.
 """
 import argparse
 import json
@@ -144,7 +145,7 @@ def main():
         "failures": failures,
         "skipped_tests": names["skipped"],
         "per_rank": [{"rank": r, "exit_status": statuses[r],
-                      **{o: sum(got == o for got in (per_rank[r] or {}).values()) for o in ("passed", "failed", "skipped")}}
+                      **{o: list((per_rank[r] or {}).values()).count(o) for o in ("passed", "failed", "skipped")}}
                      for r in range(args.nproc)],
     }, args.out_dir)
     print(f"{len(names['passed'])} passed, {len(failures)} failed, {len(names['skipped'])} skipped on "

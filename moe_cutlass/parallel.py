@@ -332,12 +332,6 @@ def tp_shard(experts, tp) -> PreparedExperts:
 _ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
 
 
-def _require_process_group():
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group "
-                           "(the NCCL backend; torchrun sets its environment) before building a parallel layer")
-
-
 def _agree(group, check, share=None):
     """Run check() -> settings {name: value} on this rank, then gather every rank's outcome, settings and
     `share` in one all_gather_object and raise on every rank if a rank's check raised or a setting
@@ -366,8 +360,9 @@ def _layer_settings(experts, activation, swiglu_limit, swiglu_alpha, routed_scal
     check_layer_options(activation, swiglu_limit, swiglu_alpha, routed_scaling_factor)
     if type(batch_invariant) is not bool:
         raise TypeError(f"batch_invariant: expected a bool, got {type(batch_invariant).__name__}")
-    return {"experts (hidden_size)": experts.hidden_size, "experts (biases)": ("bias" in experts.w13, "bias" in experts.w2),
-            "activation": activation, "swiglu_limit": swiglu_limit, "swiglu_alpha": swiglu_alpha,
+    return {"experts (hidden_size)": experts.hidden_size,
+            "experts (biases)": ("bias" in experts.w13, "bias" in experts.w2), "activation": activation,
+            "swiglu_limit": swiglu_limit, "swiglu_alpha": swiglu_alpha,
             "routed_scaling_factor": routed_scaling_factor, "batch_invariant": batch_invariant}
 
 
@@ -383,7 +378,18 @@ def _check_map_row(expert_map, num_local):
 
 # ---- the layers ----
 
-class ExpertParallel:
+class _OverGroup:
+    """A layer over the ranks of a process group (None: the default one)."""
+
+    def __init__(self, group):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group "
+                               "(the NCCL backend; torchrun sets its environment) before building a parallel layer")
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+
+
+class ExpertParallel(_OverGroup):
     """The MoE layer with its experts spread over the ranks of `group` (see the module docstring).
 
     experts: this rank's experts in local-id order (`placement.local_experts(all_experts, rank)`).
@@ -402,9 +408,7 @@ class ExpertParallel:
     def __init__(self, experts, top_k, placement=None, *, expert_map=None, strategy="allgather", max_tokens=None,
                  exact=False, activation="silu", swiglu_limit=None, swiglu_alpha=1.702, routed_scaling_factor=1.0,
                  batch_invariant=False, group=None):
-        _require_process_group()
-        self.group = group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        super().__init__(group)
 
         def check():
             settings = _layer_settings(experts, activation, swiglu_limit, swiglu_alpha, routed_scaling_factor,
@@ -533,7 +537,7 @@ def _times(splits, factor):
     return None if splits is None else [s * factor for s in splits]
 
 
-class TensorParallel:
+class TensorParallel(_OverGroup):
     """The MoE layer with every expert cut along I over the ranks of `group` (see the module docstring).
 
     experts: this rank's cut (`tp_shard(all_experts, (rank, size))`). Every rank passes the same tokens
@@ -543,9 +547,7 @@ class TensorParallel:
 
     def __init__(self, experts, *, activation="silu", swiglu_limit=None, swiglu_alpha=1.702, routed_scaling_factor=1.0,
                  batch_invariant=False, group=None):
-        _require_process_group()
-        self.group = group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        super().__init__(group)
 
         def check():
             settings = _layer_settings(experts, activation, swiglu_limit, swiglu_alpha, routed_scaling_factor,

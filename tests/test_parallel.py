@@ -323,3 +323,11 @@ def test_tp_shards_on_one_gpu_sum_to_fused_moe():
              for r in range(2)]
     one_gpu = mc.fused_moe(x, experts, w, ids, routed_scaling_factor=SCALE, **OPTIONS)
     assert relerr(parts[0] + parts[1], one_gpu) < 1e-2
+
+
+def test_the_layers_need_a_process_group():
+    experts = random_experts(4, H, I, torch.Generator().manual_seed(9))
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        par.ExpertParallel(experts, 2, par.Placement.linear(4, 1))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        par.TensorParallel(experts)

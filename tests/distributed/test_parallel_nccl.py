@@ -169,5 +169,6 @@ def test_bad_configurations_on_one_rank_raise_on_every_rank(layer, rank):
             par.ExpertParallel(kwargs.pop("experts"), layer.k, **kwargs)
     # The ranks are still in step: a forward works.
     x, weights, ids = tokens(layer, 16, seed=600 + rank)
-    out = par.ExpertParallel(layer.local, layer.k, expert_map=own, strategy="alltoall", **layer.options)(x, weights, ids)
+    forward = par.ExpertParallel(layer.local, layer.k, expert_map=own, strategy="alltoall", **layer.options)
+    out = forward(x, weights, ids)
     assert_matches(out, one_gpu(layer, x, weights, ids, False), exact=False)
