@@ -11,7 +11,7 @@ import pytest
 from benchmarks.record import write_record
 
 
-class _Outcomes:
+class Outcomes:
     """pytest plugin: one final outcome per test; a failure in any phase wins."""
 
     def __init__(self):
@@ -34,7 +34,7 @@ def main():
     parser.add_argument("--out-dir", default=None, help="where the record goes (default benchmarks/results)")
     args, pytest_args = parser.parse_known_args()
     pytest_args = pytest_args or ["-m", "gpu", "tests"]
-    outcomes = _Outcomes()
+    outcomes = Outcomes()
     status = pytest.main(["-q", "-rfEs"] + pytest_args, plugins=[outcomes])
     path = write_record("tests", {
         "pytest_args": pytest_args,

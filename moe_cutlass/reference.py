@@ -7,7 +7,8 @@ It follows DESIGN.md section 2 term by term, for every token t:
 
 It is what the kernels are tested against, so it favours being obviously right over
 being fast: it sorts the (token, slot) pairs by expert, as the expand kernel does, and
-runs two float32 matmuls per expert.
+runs two float32 matmuls per expert. `finalize` is the finalize kernel in torch, bit for bit (it
+only adds bf16 rows in a fixed order): the distributed layers (`parallel`) sum rows with it on CPU.
 """
 
 import torch
@@ -107,3 +108,18 @@ def fused_moe(hidden_states, experts, topk_weights, topk_ids, activation="silu",
     check_tensor("out", out, dtype=torch.bfloat16, shape=(hidden_states.shape[0], experts.hidden_size),
                  device=hidden_states.device)
     return out.copy_(_compute(*args))
+
+
+def finalize(rows, slot_to_row, top_k, routed_scaling_factor=1.0):
+    """The finalize kernel in torch, bitwise: out[t] = bf16(routed_scaling_factor * sum_j rows[slot_to_row[t*k + j]]),
+    summed in float32 with j ascending, slots < 0 skipped (a token without a kept slot gets zeros).
+    rows bf16 [R, H]; slot_to_row int [M * top_k]. Returns bf16 [M, H]."""
+    M = slot_to_row.numel() // top_k
+    index = slot_to_row.view(M, top_k).long()
+    acc = torch.zeros(M, rows.shape[1], dtype=torch.float32, device=rows.device)
+    for j in range(top_k):  # the kernel's order
+        kept = index[:, j] >= 0
+        picked = torch.zeros_like(acc)
+        picked[kept] = rows[index[kept, j]].float()
+        acc = acc + picked
+    return (acc * routed_scaling_factor).to(torch.bfloat16)

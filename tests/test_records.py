@@ -28,3 +28,22 @@ def test_peer_rows_become_bench_rows():
     ours = next(r for r in rows if r["impl"] == "moe_cutlass" and r["mode"] == "graph")
     assert ours == {"impl": "moe_cutlass", "config": "gpt-oss-120b", "M": 4, "mode": "graph", "us": 125.0,
                     "floor_us": 50.0, "x_floor": 2.5, "relerr": 3e-3}
+
+
+def test_dist_outcomes_merge_over_ranks():
+    from benchmarks.run_dist_tests import merge
+
+    rank0 = {"a": "passed", "b": "passed", "c": "skipped", "d": "passed"}
+    rank1 = {"a": "passed", "b": "failed", "c": "skipped"}  # died in d
+    assert merge([rank0, rank1]) == {"a": "passed", "b": "failed", "c": "skipped", "d": "failed"}
+    assert merge([rank0, None]) == {name: "failed" for name in rank0}  # a rank that wrote nothing
+
+
+def test_parallel_bench_rows_plot_as_times():
+    from benchmarks.plot import parallel_series
+
+    rows = [{"impl": "tp", "config": "dsv3", "M": 1, "us": 90.0, "comm_us": 20.0, "mode": "graph"},
+            {"impl": "ep_alltoall", "config": "dsv3", "M": 1, "us": 120.0, "comm_us": 60.0, "mode": "eager"},
+            {"impl": "one_gpu", "config": "dsv3", "M": 1, "us": 100.0, "comm_us": None, "mode": "graph"}]
+    assert parallel_series({"rows": rows}) == {"dsv3": {"tp": [(1, 90.0, 20.0)], "ep_alltoall": [(1, 120.0, 60.0)],
+                                                        "one_gpu": [(1, 100.0, None)]}}

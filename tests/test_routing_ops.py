@@ -1,4 +1,5 @@
-"""expand / finalize kernels against plain torch, exactly (maps equal, rows bitwise).
+"""expand / finalize kernels against plain torch, exactly (maps equal, rows bitwise; finalize against
+moe_cutlass.reference.finalize).
 
 GPU tests are marked `gpu` (tests/conftest.py skips them without an SM90 GPU and the
 built library). Validation tests run anywhere: they use CPU or fake CUDA tensors.
@@ -8,6 +9,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from moe_cutlass import reference
 from moe_cutlass._ops_routing import expand, expand_workspace_numel, finalize
 
 POISON_I32 = -7
@@ -181,16 +183,6 @@ def test_expand_is_deterministic(M, k, E):
         assert torch.equal(bits(first[name][:total]), bits(second[name][:total])), name
 
 
-def reference_finalize(rows, slot_to_row, k, rsf):
-    M = slot_to_row.numel() // k
-    acc = torch.zeros(M, rows.shape[1], dtype=torch.float32, device=rows.device)
-    idx = slot_to_row.view(M, k).long()
-    for j in range(k):  # the kernel's order: j ascending, float32
-        valid = (idx[:, j] >= 0).unsqueeze(1)
-        acc = acc + torch.where(valid, rows[idx[:, j].clamp(min=0)].float(), 0.0)
-    return (acc * rsf).bfloat16()
-
-
 def finalize_case(M, k, E, H, rsf, seed, row_pad=0):
     hidden, ids, weights = random_inputs(M, k, E, H=8, seed=seed, id_low=-1, id_high=E + 1)
     slot_to_row = reference_expand(hidden, ids, weights, E)["slot_to_row"]
@@ -198,7 +190,7 @@ def finalize_case(M, k, E, H, rsf, seed, row_pad=0):
     rows = wide[:, :H]
     out = torch.full((M, H), float("nan"), dtype=torch.bfloat16, device="cuda")
     finalize(rows, slot_to_row, k, rsf, out)
-    return out, reference_finalize(rows, slot_to_row, k, rsf)
+    return out, reference.finalize(rows, slot_to_row, k, rsf)
 
 
 @pytest.mark.gpu
@@ -216,7 +208,7 @@ def test_finalize_token_with_all_slots_dropped_is_zero():
     rows = torch.randn(4, H, device="cuda").bfloat16()
     out = torch.full((2, H), float("nan"), dtype=torch.bfloat16, device="cuda")
     finalize(rows, slot_to_row, k, 1.0, out)
-    assert torch.equal(bits(out), bits(reference_finalize(rows, slot_to_row, k, 1.0)))
+    assert torch.equal(bits(out), bits(reference.finalize(rows, slot_to_row, k, 1.0)))
     assert torch.equal(out[1], torch.zeros(H, dtype=torch.bfloat16, device="cuda"))
 
 
@@ -269,7 +261,7 @@ def test_cuda_graph_replay_with_new_inputs(M):
         assert torch.equal(got["sorted_slots"][:total], ref["sorted_slots"])
         assert torch.equal(bits(got["gathered"][:total]), bits(ref["gathered"]))
         assert torch.equal(bits(got["row_weights"][:total]), bits(ref["row_weights"]))
-        assert torch.equal(bits(out), bits(reference_finalize(got["gathered"], ref["slot_to_row"], k, rsf)))
+        assert torch.equal(bits(out), bits(reference.finalize(got["gathered"], ref["slot_to_row"], k, rsf)))
 
 
 # ---- validation: runs without a GPU (CPU tensors, or fake CUDA tensors; CPU-only torch
