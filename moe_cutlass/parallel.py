@@ -263,8 +263,7 @@ def expert_rows(hidden_states, meta, compute, exact):
     if not exact:
         return compute(hidden_states, weights, ids)
     R, k = ids.shape
-    H = hidden_states.shape[1]
-    slots = hidden_states.unsqueeze(1).expand(R, k, H).reshape(R * k, H)
+    slots = hidden_states.repeat_interleave(k, dim=0)  # a copy: fused_moe takes contiguous rows
     return compute(slots, weights.reshape(R * k, 1), ids.reshape(R * k, 1))
 
 
