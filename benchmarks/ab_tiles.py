@@ -15,7 +15,7 @@ import torch
 import moe_cutlass as mc
 from benchmarks.bench_moe import CONFIGS, Timer, floor_us, graph_of, measure_floors, random_mxfp4, random_routing
 from benchmarks.record import write_record
-from moe_cutlass import _gemm
+from moe_cutlass import _gemm, ops
 
 TILES = ("n8k256", "n16k256", "n32k128", "n64k128", "n128k128")
 
@@ -31,11 +31,13 @@ def time_tiles(name, tokens, tiles, timer, floors, gen):
         floor = floor_us(M, E, H, I, k, ids, floors)
         picked = _gemm.pick_config(1, M * k, E).split("_")[2][4:]
         for tile in tiles:
-            def forced(kind, rows_, num_experts, available=None, tile=tile):
+            def forced(kind, rows_, num_experts, available=None, batch_invariant=False, tile=tile):
                 return f"moe_gemm{kind}_m128{tile}_coop"
 
+            ops._gemms.cache_clear()  # the layer caches its pick per batch size
             with mock.patch.object(_gemm, "pick_config", forced):
                 graph = graph_of(lambda: mc.fused_moe(x, experts, weights, ids, out=out))
+            ops._gemms.cache_clear()
             us = timer.median_us(graph.replay)
             del graph
             rows.append({"impl": "moe_cutlass", "config": name, "M": M, "mode": "graph", "tile": tile,
