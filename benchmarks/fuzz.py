@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 import moe_cutlass as mc
-from benchmarks.record import write_record
+from benchmarks.record import record_main
 from tests.helpers import MAX_RELERR, StandInExperts, random_experts, random_hidden, relerr
 
 MAX_E, MAX_K, MAX_HI, MAX_M = 512, 16, 8192, 20000
@@ -319,10 +319,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    payload, status = run(args)
-    print(f"record: {write_record('fuzz', payload, args.out_dir)}")
-    return status
+    return record_main("fuzz", parse_args, run, argv)
 
 
 if __name__ == "__main__":

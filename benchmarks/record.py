@@ -49,3 +49,11 @@ def write_record(kind: str, payload: dict, out_dir=None) -> Path:
     path = directory / f"{kind}_{now.strftime('%Y%m%dT%H%M%SZ')}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
+
+
+def record_main(kind: str, parse_args, run, argv=None) -> int:
+    """A benchmark's main: parse_args(argv), run(args) -> (payload, exit status), the record written."""
+    args = parse_args(argv)
+    payload, status = run(args)
+    print(f"record: {write_record(kind, payload, args.out_dir)}")
+    return status

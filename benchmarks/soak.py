@@ -42,7 +42,7 @@ import torch
 
 import moe_cutlass as mc
 from benchmarks.fuzz import ROUTING_SMALL_SLOTS
-from benchmarks.record import write_record
+from benchmarks.record import record_main
 from moe_cutlass import _gemm
 from tests.helpers import MAX_RELERR, StandInExperts, random_experts, random_hidden, random_routing, relerr
 
@@ -288,10 +288,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    payload, status = run(args)
-    print(f"record: {write_record('soak', payload, args.out_dir)}")
-    return status
+    return record_main("soak", parse_args, run, argv)
 
 
 if __name__ == "__main__":
