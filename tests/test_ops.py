@@ -4,6 +4,8 @@ The fake-tensor tests run anywhere (fake CUDA tensors need no GPU); GPU tests ar
 """
 import ctypes
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -400,3 +402,25 @@ def test_a_replayed_call_runs_on_the_callers_stream():
             got = mc.fused_moe(x, experts, weights, ids) * 1  # read on the same stream
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_evicted_blocks_go_with_their_graphs_and_calls_stay_right(monkeypatch):
+    """Six argument blocks through a cache of four, each called twice (the second call replays its
+    graph), twice over: every call gives its own bits, and an evicted block is freed (its graphs with
+    it: weakref.finalize calls mc_layer_release) once nothing holds it."""
+    monkeypatch.setattr(ops, "_CALLS_MAX", 4)
+    monkeypatch.setattr(ops, "_calls", {})
+    x, experts, weights, ids, _ = gpu_case(9, "plain", seed=40)
+    scales = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5)  # the scale is part of a block's key
+    want = {s: direct(x, experts, weights, ids, routed_scaling_factor=s) for s in scales}
+    blocks = []
+    for _ in range(2):
+        for s in scales:
+            for _ in range(2):
+                assert torch.equal(mc.fused_moe(x, experts, weights, ids, routed_scaling_factor=s), want[s])
+            blocks.append(weakref.ref(next(reversed(ops._calls.values()))[0]))
+    assert len(ops._calls) == 4
+    gc.collect()
+    assert sum(b() is not None for b in blocks) == 4
+    assert_close(want[2.5], mc.reference.fused_moe_float(x, experts, weights, ids, routed_scaling_factor=2.5))
