@@ -1,7 +1,9 @@
 """Where one layer's time goes: device time of every kernel of a fused_moe call (torch.profiler).
 
 usage: python -m benchmarks.profile_stages [--configs a,b] [--ms 1,64,4096] [--reps 20] [--out-dir DIR]
-Writes a "profile" record: per config and M, the mean device microseconds of each kernel name.
+Writes a "profile" record: per config and M, the mean device microseconds of each kernel (the GEMMs
+named GEMM1 / GEMM2), and each GEMM's achieved bandwidth: the MXFP4 bytes of the active experts'
+weights (4.25 bits per weight) over its time ("gemm_tbps"), the number to hold against the copy rate.
 """
 import argparse
 from collections import defaultdict
@@ -24,8 +26,22 @@ def kernel_times(fn, reps):
     totals = defaultdict(float)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name[:90]] += event.device_time / reps
+            totals[_short_name(event.name)] += event.device_time / reps
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def _short_name(kernel):
+    for kind in (1, 2):  # the GEMMs' names differ only deep in their template arguments
+        if f"MoeEpilogue<{kind}," in kernel:
+            return f"GEMM{kind}"
+    return kernel[:90]
+
+
+def gemm_tbps(times, ids, E, H, I):
+    """TB/s of each GEMM: its active experts' MXFP4 weight bytes over its device time."""
+    active = ids[(ids >= 0) & (ids < E)].unique().numel()
+    weight_bytes = {"GEMM1": 2 * I * H * 4.25 / 8, "GEMM2": H * I * 4.25 / 8}
+    return {g: active * b / (times[g] * 1e-6) / 1e12 for g, b in weight_bytes.items() if times.get(g)}
 
 
 def main():
@@ -45,8 +61,10 @@ def main():
             x = torch.randn(M, H, dtype=torch.bfloat16, device="cuda", generator=gen)
             weights, ids = random_routing(M, E, k, gen)
             times = kernel_times(lambda: mc.fused_moe(x, experts, weights, ids), args.reps)
-            rows.append({"config": name, "M": M, "kernels_us": times})
-            print(f"{name} M={M}: total {sum(times.values()):.1f} us")
+            tbps = gemm_tbps(times, ids, E, H, I)
+            rows.append({"config": name, "M": M, "kernels_us": times, "gemm_tbps": tbps})
+            print(f"{name} M={M}: total {sum(times.values()):.1f} us, GEMM TB/s "
+                  + ", ".join(f"{g} {v:.2f}" for g, v in tbps.items()))
             for kernel, us in times.items():
                 print(f"    {us:9.1f} us  {kernel}")
         del experts
