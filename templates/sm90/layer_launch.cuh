@@ -1,10 +1,11 @@
 // moe_cutlass: the launches of one MoE layer call (mc_layer), made directly or replayed as a
 // CUDA graph that this file captures once per argument block and kernel variant.
 //
-// Why a graph: on the H200 machine's CPU one kernel launch costs ~5 us of host time, so the
+// Why a graph: on the H200 machine's CPU one kernel launch costs ~4-5 us of host time, so the
 // layer's four launches (expand, GEMM1, GEMM2, finalize) took 20.8 us of an eager M=1 call's
-// ~28 us (gpt-oss shape, .carry/host_parts measurement 2026-11-30), while one graph launch costs
-// ~3 us. Only expand and finalize take per-call arguments (the token pointers, the output and
+// ~28 us (gpt-oss shape), while this file's graph launch and node updates take 2.8-4.5 us
+// (benchmarks/NOTES.md, 2026-12-01; eager M=1 host time 27.7-30 -> 12.8-14.3 us per call,
+// benchmarks/results/bench_20261130T235605Z.json). Only expand and finalize take per-call arguments (the token pointers, the output and
 // the batch size, which sets their grids); the GEMMs read everything per call from the
 // workspace (expert offsets), so their nodes never change. A call therefore rewrites two kernel
 // nodes (cudaGraphExecKernelNodeSetParams: it affects later launches only, so a replay still in
