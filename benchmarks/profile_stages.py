@@ -44,6 +44,24 @@ def gemm_tbps(times, ids, E, H, I):
     return {g: active * b / (times[g] * 1e-6) / 1e12 for g, b in weight_bytes.items() if times.get(g)}
 
 
+def profile_config(name, tokens, reps, gen):
+    """Rows of one shape, its experts freed on return."""
+    E, H, I, k = CONFIGS[name]
+    experts = mc.prepare_experts(*random_mxfp4(E, 2 * I, H, gen), *random_mxfp4(E, H, I, gen))
+    rows = []
+    for M in tokens:
+        x = torch.randn(M, H, dtype=torch.bfloat16, device="cuda", generator=gen)
+        weights, ids = random_routing(M, E, k, gen)
+        times = kernel_times(lambda: mc.fused_moe(x, experts, weights, ids), reps)
+        tbps = gemm_tbps(times, ids, E, H, I)
+        rows.append({"config": name, "M": M, "kernels_us": times, "gemm_tbps": tbps})
+        print(f"{name} M={M}: total {sum(times.values()):.1f} us, GEMM TB/s "
+              + ", ".join(f"{g} {v:.2f}" for g, v in tbps.items()))
+        for kernel, us in times.items():
+            print(f"    {us:9.1f} us  {kernel}")
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--configs", default=",".join(CONFIGS))
@@ -55,20 +73,8 @@ def main():
     gen.manual_seed(0)
     rows = []
     for name in args.configs.split(","):
-        E, H, I, k = CONFIGS[name]
-        experts = mc.prepare_experts(*random_mxfp4(E, 2 * I, H, gen), *random_mxfp4(E, H, I, gen))
-        for M in map(int, args.ms.split(",")):
-            x = torch.randn(M, H, dtype=torch.bfloat16, device="cuda", generator=gen)
-            weights, ids = random_routing(M, E, k, gen)
-            times = kernel_times(lambda: mc.fused_moe(x, experts, weights, ids), args.reps)
-            tbps = gemm_tbps(times, ids, E, H, I)
-            rows.append({"config": name, "M": M, "kernels_us": times, "gemm_tbps": tbps})
-            print(f"{name} M={M}: total {sum(times.values()):.1f} us, GEMM TB/s "
-                  + ", ".join(f"{g} {v:.2f}" for g, v in tbps.items()))
-            for kernel, us in times.items():
-                print(f"    {us:9.1f} us  {kernel}")
-        del experts
-        torch.cuda.empty_cache()
+        rows += profile_config(name, [int(m) for m in args.ms.split(",")], args.reps, gen)
+        torch.cuda.empty_cache()  # the next shape's weights get this one's memory
     write_record("profile", {"rows": rows}, args.out_dir)
 
 

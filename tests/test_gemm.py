@@ -1,7 +1,5 @@
 """The SM90 MXFP4 x BF16 grouped GEMMs (templates/sm90/moe_gemm*), against float32 torch."""
 
-import math
-
 import pytest
 import torch
 
