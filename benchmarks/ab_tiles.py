@@ -13,7 +13,7 @@ from unittest import mock
 import torch
 
 import moe_cutlass as mc
-from benchmarks.bench_moe import CONFIGS, Timer, floor_us, graph_of, measure_floors, random_mxfp4, random_routing
+from benchmarks.bench_moe import CONFIGS, Timer, floor_us, graph_of, measure_floors, random_batch, random_experts
 from benchmarks.record import write_record
 from moe_cutlass import _gemm, ops
 
@@ -22,11 +22,10 @@ TILES = ("n8k256", "n16k256", "n32k128", "n64k128", "n128k128")
 
 def time_tiles(name, tokens, tiles, timer, floors, gen):
     E, H, I, k = CONFIGS[name]
-    experts = mc.prepare_experts(*random_mxfp4(E, 2 * I, H, gen), *random_mxfp4(E, H, I, gen))
+    experts = random_experts(E, H, I, gen)
     rows = []
     for M in tokens:
-        x = torch.randn(M, H, dtype=torch.bfloat16, device="cuda", generator=gen)
-        weights, ids = random_routing(M, E, k, gen)
+        x, weights, ids = random_batch(M, E, H, k, gen)
         out = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
         floor = floor_us(M, E, H, I, k, ids, floors)
         picked = _gemm.pick_config(1, M * k, E).split("_")[2][4:]

@@ -90,6 +90,17 @@ def random_routing(M, E, k, gen):
     return weights, ids
 
 
+def random_experts(E, H, I, gen):
+    """PreparedExperts of random MXFP4 weights (no biases) on the GPU."""
+    return mc.prepare_experts(*random_mxfp4(E, 2 * I, H, gen), *random_mxfp4(E, H, I, gen))
+
+
+def random_batch(M, E, H, k, gen):
+    """(hidden_states, topk_weights, topk_ids) of M tokens under random top-k routing."""
+    x = torch.randn(M, H, dtype=torch.bfloat16, device="cuda", generator=gen)
+    return (x, *random_routing(M, E, k, gen))
+
+
 def floor_us(M, E, H, I, k, ids, floors):
     active = int(torch.unique(ids).numel())
     weight_bytes = active * 3 * H * I * (0.5 + 1 / 32)
@@ -118,14 +129,10 @@ def graph_of(fn):
 
 def bench_config(name, tokens, timer, floors, gen, batch_invariant=False):
     E, H, I, k = CONFIGS[name]
-    w13_b, w13_s = random_mxfp4(E, 2 * I, H, gen)
-    w2_b, w2_s = random_mxfp4(E, H, I, gen)
-    experts = mc.prepare_experts(w13_b, w13_s, w2_b, w2_s)
-    del w13_b, w13_s, w2_b, w2_s
+    experts = random_experts(E, H, I, gen)
     rows = []
     for M in tokens:
-        x = torch.randn(M, H, dtype=torch.bfloat16, device="cuda", generator=gen)
-        weights, ids = random_routing(M, E, k, gen)
+        x, weights, ids = random_batch(M, E, H, k, gen)
         out = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
 
         def run():

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import moe_cutlass as mc
-from benchmarks.bench_moe import CONFIGS, Timer, floor_us, graph_of, measure_floors, random_mxfp4, random_routing
+from benchmarks.bench_moe import CONFIGS, Timer, floor_us, graph_of, measure_floors, random_batch, random_experts
 from benchmarks.record import write_record
 from moe_cutlass import parallel as par
 
@@ -68,15 +68,14 @@ def time_call(timer, fn, capturable, reps):
 def inputs(M, E, H, k, seed):
     gen = torch.Generator(device="cuda")
     gen.manual_seed(seed)
-    x = torch.randn(M, H, dtype=torch.bfloat16, device="cuda", generator=gen)
-    return (x, *random_routing(M, E, k, gen))
+    return random_batch(M, E, H, k, gen)
 
 
 def bench_config(name, tokens, timer, reps, floors, rank, world):
     E, H, I, k = CONFIGS[name]
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)  # the same weights on both ranks
-    experts = mc.prepare_experts(*random_mxfp4(E, 2 * I, H, gen), *random_mxfp4(E, H, I, gen))
+    experts = random_experts(E, H, I, gen)
     placement = par.Placement.linear(E, world)
     local, tp_experts = placement.local_experts(experts, rank), par.tp_shard(experts, (rank, world))
     rows = []

@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import moe_cutlass as mc
-from benchmarks.bench_moe import CONFIGS, random_mxfp4, random_routing
+from benchmarks.bench_moe import CONFIGS, random_batch, random_experts
 from benchmarks.record import write_record
 
 
@@ -47,11 +47,10 @@ def gemm_tbps(times, ids, E, H, I):
 def profile_config(name, tokens, reps, gen):
     """Rows of one shape, its experts freed on return."""
     E, H, I, k = CONFIGS[name]
-    experts = mc.prepare_experts(*random_mxfp4(E, 2 * I, H, gen), *random_mxfp4(E, H, I, gen))
+    experts = random_experts(E, H, I, gen)
     rows = []
     for M in tokens:
-        x = torch.randn(M, H, dtype=torch.bfloat16, device="cuda", generator=gen)
-        weights, ids = random_routing(M, E, k, gen)
+        x, weights, ids = random_batch(M, E, H, k, gen)
         times = kernel_times(lambda: mc.fused_moe(x, experts, weights, ids), reps)
         tbps = gemm_tbps(times, ids, E, H, I)
         rows.append({"config": name, "M": M, "kernels_us": times, "gemm_tbps": tbps})

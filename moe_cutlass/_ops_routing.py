@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from . import _lib
-from ._checks import MAX_SLOTS, check_float, check_int, check_tensor
+from ._checks import check_float, check_int, check_slots, check_tensor
 from ._device import require_sm90
 
 MAX_EXPERTS = 512  # routing.cuh kMaxExperts
@@ -50,7 +50,7 @@ def _check_expand(hidden, topk_ids, topk_weights, expert_map, num_experts, exper
     check_tensor("topk_ids", topk_ids, dtype=(torch.int32, torch.int64), shape=(M, "k"), device=dev, contiguous=True)
     k = topk_ids.shape[1]
     check_int("topk_ids.shape[1] (top_k)", k, 1)
-    check_int("number of slots M * top_k", M * k, 0, MAX_SLOTS)
+    check_slots("hidden, topk_ids", M, k)
     check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(M, k), device=dev, contiguous=True)
     if expert_map is not None:
         check_tensor("expert_map", expert_map, dtype=torch.int32, ndim=1, device=dev, contiguous=True)
