@@ -16,6 +16,7 @@ import time
 import torch
 
 import moe_cutlass as mc
+from moe_cutlass import ops
 from benchmarks.record import write_record
 
 CONFIGS = {
@@ -127,11 +128,21 @@ def graph_of(fn):
     return graph
 
 
-def bench_config(name, tokens, timer, floors, gen, batch_invariant=False):
+def paths_of(M, k, compare_paths):
+    """(path name, ops.FUSED_MAX_TOKENS for it): the library's choice, or with compare_paths both
+    the one-launch layer and the four launches wherever the former can take M."""
+    if compare_paths and M * k <= ops.fused_max_slots():
+        return (("fused", 1 << 30), ("launches", 0))
+    return (("fused" if ops.uses_fused(M, k) else "launches", ops.FUSED_MAX_TOKENS),)
+
+
+def bench_config(name, tokens, timer, floors, gen, batch_invariant=False, compare_paths=False):
     E, H, I, k = CONFIGS[name]
     experts = random_experts(E, H, I, gen)
     rows = []
-    for M in tokens:
+    default_max = ops.FUSED_MAX_TOKENS
+    for M, (path, fused_max) in ((M, p) for M in tokens for p in paths_of(M, k, compare_paths)):
+        ops.FUSED_MAX_TOKENS = fused_max
         x, weights, ids = random_batch(M, E, H, k, gen)
         out = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
 
@@ -146,15 +157,17 @@ def bench_config(name, tokens, timer, floors, gen, batch_invariant=False):
         for mode, fn in (("graph", graph.replay), ("eager", run)):
             us = timer.median_us(fn)
             row = {"impl": "moe_cutlass", "config": name, "M": M, "mode": mode, "us": us,
-                   "floor_us": floor, "x_floor": us / floor, "relerr": relerr, "batch_invariant": batch_invariant}
+                   "floor_us": floor, "x_floor": us / floor, "relerr": relerr, "batch_invariant": batch_invariant,
+                   "path": "launches" if batch_invariant else path}
             if mode == "eager" and M <= HOST_MAX_TOKENS:
                 row["host_us"] = host_us(lambda: mc.fused_moe(x, experts, weights, ids))
                 row["host_us_out"] = host_us(run)
             rows.append(row)
             host = f"  host {row['host_us']:.1f} us (out= {row['host_us_out']:.1f})" if "host_us" in row else ""
-            print(f"{name:14s} M={M:6d} {mode:5s} {us:9.1f} us  floor {floor:8.1f} us  "
+            print(f"{name:14s} M={M:6d} {row['path']:8s} {mode:5s} {us:9.1f} us  floor {floor:8.1f} us  "
                   f"x{us / floor:5.2f}  relerr {relerr if relerr is None else f'{relerr:.1e}'}{host}", flush=True)
         del graph
+    ops.FUSED_MAX_TOKENS = default_max
     return rows
 
 
@@ -165,6 +178,8 @@ def main():
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--batch-invariant", action="store_true", help="time fused_moe(batch_invariant=True)")
+    parser.add_argument("--compare-paths", action="store_true",
+                        help="time both the one-launch layer and the four launches wherever the former can run")
     args = parser.parse_args()
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
@@ -179,7 +194,7 @@ def main():
     gen.manual_seed(0)
     rows = []
     for name in names:
-        rows += bench_config(name, tokens, timer, floors, gen, args.batch_invariant)
+        rows += bench_config(name, tokens, timer, floors, gen, args.batch_invariant, args.compare_paths)
         torch.cuda.empty_cache()
     path = write_record("bench", {"floors": floors, "reps": args.reps, "rows": rows}, args.out_dir)
     print(f"record: {path}")

@@ -2,7 +2,7 @@
 
 usage: python -m benchmarks.profile_stages [--configs a,b] [--ms 1,64,4096] [--reps 20] [--out-dir DIR]
 Writes a "profile" record: per config and M, the mean device microseconds of each kernel (the GEMMs
-named GEMM1 / GEMM2), and each GEMM's achieved bandwidth: the MXFP4 bytes of the active experts'
+named GEMM1 / GEMM2, the one-launch layer of small batches LAYER), and each GEMM's achieved bandwidth: the MXFP4 bytes of the active experts'
 weights (4.25 bits per weight) over its time ("gemm_tbps"), the number to hold against the copy rate.
 """
 import argparse
@@ -34,13 +34,16 @@ def _short_name(kernel):
     for kind in (1, 2):  # the GEMMs' names differ only deep in their template arguments
         if f"MoeEpilogue<{kind}," in kernel:
             return f"GEMM{kind}"
+    if "decode::layer_kernel" in kernel:
+        return "LAYER"  # the one-launch layer (templates/sm90/moe_decode.cuh): both GEMMs inside
     return kernel[:90]
 
 
 def gemm_tbps(times, ids, E, H, I):
-    """TB/s of each GEMM: its active experts' MXFP4 weight bytes over its device time."""
+    """TB/s of each GEMM (and of the one-launch layer, both GEMMs' weights): its active experts'
+    MXFP4 weight bytes over its device time."""
     active = ids[(ids >= 0) & (ids < E)].unique().numel()
-    weight_bytes = {"GEMM1": 2 * I * H * 4.25 / 8, "GEMM2": H * I * 4.25 / 8}
+    weight_bytes = {"GEMM1": 2 * I * H * 4.25 / 8, "GEMM2": H * I * 4.25 / 8, "LAYER": 3 * H * I * 4.25 / 8}
     return {g: active * b / (times[g] * 1e-6) / 1e12 for g, b in weight_bytes.items() if times.get(g)}
 
 

@@ -46,5 +46,6 @@ def _gemm_configs(tiles) -> list:
 
 
 KERNELS = {
-    "sm90": [KernelConfig("routing", "routing.cu.j2"), *_gemm_configs(SM90_GEMM_TILES)],
+    "sm90": [KernelConfig("routing", "routing.cu.j2"), KernelConfig("moe_decode", "moe_decode.cu.j2"),
+             *_gemm_configs(SM90_GEMM_TILES)],
 }

@@ -158,7 +158,7 @@ class LayerCall(ctypes.Structure):
     CUDA graphs of the launches in `graphs`; they are freed with the block (see _launch)."""
 
     _fields_ = [("hidden", _P), ("topk_ids", _P), ("topk_weights", _P), ("out", _P), ("num_tokens", _I64),
-                ("stream", _P), ("gemm1", _P), ("gemm2", _P),
+                ("stream", _P), ("gemm1", _P), ("gemm2", _P), ("fused", _P),
                 ("ids_int64", _I64), ("top_k", _I64), ("num_experts", _I64), ("hidden_size", _I64),
                 ("intermediate_size", _I64), ("expert_map", _P), ("num_global_experts", _I64),
                 ("w13_blocks", _P), ("w13_scales", _P), ("w13_bias", _P), ("w13_scale_max", _I64),
@@ -171,26 +171,55 @@ class LayerCall(ctypes.Structure):
                 ("failed", ctypes.c_int32), ("graphs", _P)]
 
 
-# The per-call fields lead the block (hidden .. gemm2): a call writes them with one pack_into.
-_PER_CALL = struct.Struct("=QQQQqQQQ")
-assert [getattr(LayerCall, f).offset for f, _ in LayerCall._fields_[:8]] == list(range(0, _PER_CALL.size, 8))
+# The per-call fields lead the block (hidden .. fused): a call writes them with one pack_into.
+_PER_CALL = struct.Struct("=QQQQqQQQQ")
+assert [getattr(LayerCall, f).offset for f, _ in LayerCall._fields_[:9]] == list(range(0, _PER_CALL.size, 8))
+
+# Calls of at most this many tokens (and at most the kernel's slot limit) run as ONE launch
+# (templates/sm90/moe_decode.cuh) instead of expand -> GEMM1 -> GEMM2 -> finalize; never with
+# batch_invariant, whose bits must not depend on the batch. The value is measured: see
+# benchmarks/NOTES.md (one-launch decode layer).
+FUSED_MAX_TOKENS = 16
+FUSED_KERNEL = "moe_decode"
 
 
 class _Gemms(NamedTuple):
-    """The GEMM configs of one call: entry addresses for mc_layer, names for error messages."""
+    """The kernels of one call: entry addresses for mc_layer (fused: the one-launch layer, or None),
+    names for error messages in the order of McLayerCall.failed."""
 
     gemm1: int
     gemm2: int
+    fused: object
     names: tuple
 
 
+@functools.lru_cache(maxsize=1)
+def fused_max_slots() -> int:
+    """Slots (M * top_k) the one-launch layer takes; 0 if the built library lacks it."""
+    lib = _lib.library()
+    if FUSED_KERNEL not in lib.kernels:
+        return 0
+    return int(lib.function(f"mc_sm90_{FUSED_KERNEL}_max_slots")())
+
+
 @functools.lru_cache(maxsize=1024)
-def _gemms(slots: int, E: int, batch_invariant: bool) -> _Gemms:
+def _gemms(slots: int, E: int, batch_invariant: bool, fused: bool, ids_int64: bool) -> _Gemms:
     # The GEMM tiles follow the rows per expert, which the host knows only on average (slots / E).
     names = tuple(f"mc_sm90_{_gemm.pick_config(kind, slots, E, _gemm.configs_of(kind), batch_invariant)}"
                   for kind in GEMM_KINDS)
     lib = _lib.library()
-    return _Gemms(*(ctypes.cast(lib.function(n), ctypes.c_void_p).value for n in names), names)
+    gemm1, gemm2 = (ctypes.cast(lib.function(n), ctypes.c_void_p).value for n in names)
+    fused_name = f"mc_sm90_{FUSED_KERNEL}"
+    fused_address = ctypes.cast(lib.function(fused_name), ctypes.c_void_p).value if fused else None
+    expand = "mc_expand_i64" if ids_int64 else "mc_expand_i32"
+    return _Gemms(gemm1, gemm2, fused_address,
+                  (expand, *names, "mc_finalize", "mc_layer (its CUDA graph launch)", fused_name))
+
+
+def uses_fused(num_tokens: int, top_k: int, batch_invariant: bool = False) -> bool:
+    """Whether fused_moe runs a call of this size as the one-launch layer."""
+    return (not batch_invariant and num_tokens <= FUSED_MAX_TOKENS
+            and num_tokens * top_k <= fused_max_slots())
 
 
 def _address(t):
@@ -204,7 +233,8 @@ def _failed(status: int, name: str) -> RuntimeError:
 def launch(hidden_states, experts, topk_weights, topk_ids, activation, swiglu_limit, swiglu_alpha,
            routed_scaling_factor, expert_map, out, workspace, batch_invariant=False) -> None:
     """The layer on arguments that check_args passed, on the current stream:
-    expand -> GEMM1 (+ activation) -> GEMM2 (x routing weight) -> finalize into `out`."""
+    expand -> GEMM1 (+ activation) -> GEMM2 (x routing weight) -> finalize into `out`, or for
+    small batches (uses_fused) the same in one launch."""
     if topk_ids.shape[0] == 0:
         return
     index = hidden_states.get_device()
@@ -292,17 +322,16 @@ def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_l
                 del _calls[next(iter(_calls))]
             _calls[key] = entry
     block, address = entry
-    gemms = _gemms(M * k, experts.num_experts, batch_invariant)
+    gemms = _gemms(M * k, experts.num_experts, batch_invariant, uses_fused(M, k, batch_invariant),
+                   topk_ids.dtype == torch.int64)
     hidden_ptr, out_ptr = hidden.data_ptr(), out.data_ptr()
     if (hidden_ptr | out_ptr) % 16:
         check_pointers(hidden, out, None)
     _PER_CALL.pack_into(block, 0, hidden_ptr, topk_ids.data_ptr(), topk_weights.data_ptr(), out_ptr, M, stream,
-                        gemms.gemm1, gemms.gemm2)
+                        gemms.gemm1, gemms.gemm2, gemms.fused)
     status = _layer_function()(address)
     if status:
-        names = ("mc_expand_i64" if topk_ids.dtype == torch.int64 else "mc_expand_i32", *gemms.names, "mc_finalize",
-                 "mc_layer (its CUDA graph launch)")
-        raise _failed(status, names[block.failed])
+        raise _failed(status, gemms.names[block.failed])
 
 
 @functools.lru_cache(maxsize=1)

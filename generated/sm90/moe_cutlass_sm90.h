@@ -38,9 +38,10 @@ int64_t mc_expand_workspace_ints(int64_t num_tokens, int32_t top_k, int32_t num_
 int mc_finalize(const void* rows, int64_t rows_stride, int64_t num_rows, const int32_t* slot_to_row,
                 int64_t num_tokens, int32_t top_k, int64_t hidden_size, float routed_scaling_factor,
                 void* out, int64_t out_stride, cudaStream_t stream);
-/* The whole layer in one call: expand -> call->gemm1 -> call->gemm2 -> finalize on call->stream;
+/* The whole layer in one call: expand -> call->gemm1 -> call->gemm2 -> finalize on call->stream, or, when
+ * call->fused is not NULL, that one launch (mc_sm90_moe_decode) instead;
  * call points to a struct McLayerCall (templates/sm90/moe_layer_call.h). On a non-zero status, call->failed names
- * the launch that failed (0 expand, 1 GEMM1, 2 GEMM2, 3 finalize, 4 the graph launch); later launches are not
+ * the launch that failed (0 expand, 1 GEMM1, 2 GEMM2, 3 finalize, 4 the graph launch, 5 call->fused); later launches are not
  * made. From the second call of a block with the same GEMM configs, the launches are one CUDA graph launch
  * (not while call->stream is being captured); call->graphs holds the graphs, freed by mc_layer_release. */
 int mc_layer(void* call);
@@ -49,11 +50,22 @@ int32_t mc_layer_graph_count(const void* call);
 /* Frees the CUDA graphs mc_layer keeps in call->graphs (a launch in flight completes); the block may be
  * used again. Host only. */
 void mc_layer_release(void* call);
-/* The byte offset of every field of struct McLayerCall in declaration order, then its size (44
+/* The byte offset of every field of struct McLayerCall in declaration order, then its size (45
  * values): the Python mirror checks its layout against the compiler's. Host only. */
 void mc_layer_call_layout(int64_t* offsets);
 /* Message of a status code returned by any mc_ function (a cudaError_t value). */
 const char* mc_error_string(int code);
+
+/* moe_decode (moe_decode.h.j2) */
+/* The whole MoE layer in ONE kernel launch, for calls of at most mc_sm90_moe_decode_max_slots() slots
+ * (num_tokens * top_k): routing, GEMM1 + activation, GEMM2 x routing weight and the finalize sum of
+ * mc_layer, in one cooperative persistent kernel on call->stream (call: struct McLayerCall,
+ * templates/sm90/moe_layer_call.h; its per-layer fields and workspace pieces as for mc_layer, of which it
+ * uses gathered and inter). mc_layer calls it when call->fused points to it. Returns a cudaError_t value
+ * (cudaErrorInvalidValue for bad arguments, nothing launched). CUDA-graph capturable. */
+int mc_sm90_moe_decode(void* call);
+/* The most slots mc_sm90_moe_decode takes per call. Host only. */
+int32_t mc_sm90_moe_decode_max_slots(void);
 
 /* moe_gemm1_m128n32k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n32k128_coop: GEMM1, tile 128x32x128, cooperative.

@@ -18,6 +18,8 @@
 #include "cutlass/cuda_host_adapter.hpp"
 #include "cute/tensor.hpp"
 
+#include "mxfp4_math.cuh"
+
 namespace moe_cutlass {
 using namespace cute;
 
@@ -127,16 +129,7 @@ class MoeEpilogue {
           if (col < inter && n < n_rows) {
             float g = acc(ig), u = acc(iu);
             if (bias) { g += bias[m]; u += bias[m + 8]; }
-            // Comparisons, not fminf/fmaxf: those return the other operand for a NaN, which
-            // would turn a NaN gate or up into the finite limit (numerics policy: NaN stays).
-            g = g > L ? L : g;
-            u = u > L ? L : (u < -L ? -L : u);
-            float r;
-            if (params.activation == 0) {
-              r = g / (1.0f + __expf(-g)) * u;
-            } else {
-              r = g / (1.0f + __expf(-params.alpha * g)) * (u + 1.0f);
-            }
+            float const r = mc_activation(g, u, params.activation, params.alpha, L);
             out[(row_base + n) * inter + col] = cutlass::bfloat16_t(r);
           }
         }

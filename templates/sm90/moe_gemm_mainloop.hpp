@@ -67,50 +67,10 @@
 #include "cute/atom/mma_atom.hpp"
 #include "cute/algorithm/gemm.hpp"
 
+#include "mxfp4_math.cuh"
+
 namespace moe_cutlass {
 using namespace cute;
-
-// ---------------------------------------------------------------------------------------------
-// e2m1 -> bf16 converter.
-// Input word layout (produced offline by layout.py, BIT_POS there): the 8 values v = 0..7 of one
-// k-block (RS fragment order); value v lives in 16-bit lane v & 1, and the values converted into
-// output register j have their (sign, e1, e0, m) bits at lane bits j0: 15,8,7,6; j1: 12,5,4,3;
-// j2: 9,2,1,0; j3: 14,11,10,13. Masking (after a shift) lands sign on bf16 bit 15, e1 e0 on
-// exponent bits 8..7 and m on mantissa bit 6, which is exactly the bf16 of the e2m1 value times
-// 2^-126 (code 0.5 becomes the subnormal 2^-127). One bf16x2 multiply by 2^(s-1) then applies
-// the E8M0 scale and the bias fix together (mc_scale_fast); all exact, and bf16 multiplies and
-// WGMMA keep subnormals (KERNEL_NOTES H.1). 6 LOP3 + 5 shifts per 8 weights, against 12-17 ALU
-// instructions for the prmt look-up tables this replaced.
-// Output: 4 bf16x2 registers (v0,v1) (v2,v3) (v4,v5) (v6,v7), each times 2^-126.
-// ---------------------------------------------------------------------------------------------
-CUTLASS_DEVICE void mc_e2m1x8_to_bf16(uint32_t q, uint32_t (&out)[4]) {
-  constexpr uint32_t kMask = 0x81C081C0u;   // sign, exponent bits 1..0, mantissa bit 6, per lane
-  out[0] = q & kMask;
-  out[1] = (q << 3) & kMask;
-  out[2] = (q << 6) & kMask;
-  out[3] = ((q >> 7) & 0x00400040u) | ((q >> 3) & 0x01800180u) | ((q << 1) & 0x80008000u);
-}
-
-// Scale bytes s <= 128 (layout.FAST_SCALE_MAX): bf16x2 of 2^(s-1) in both halves, bits (s+126) << 7,
-// one IMAD; 2^-126 * 2^(s-1) * value = value * 2^(s-127) exactly.
-CUTLASS_DEVICE uint32_t mc_scale_fast(uint32_t s) { return s * 0x00800080u + 0x3F003F00u; }
-
-// Any byte: bf16x2 of 2^(s-127) (s=0 -> 0x0040, a subnormal; s=255 -> NaN), applied after a first
-// multiply by 2^126 (kUnbias) has made the converted value exact and normal.
-CUTLASS_DEVICE uint32_t mc_e8m0_to_bf16x2(uint32_t s) {
-  uint32_t b = s << 7;
-  b = (s == 0u) ? 0x0040u : b;
-  b = (s == 255u) ? 0x7FC0u : b;
-  return b | (b << 16);
-}
-constexpr uint32_t kUnbias = 0x7E807E80u;   // bf16x2 of 2^126
-constexpr int kFastScaleMax = 128;          // = layout.FAST_SCALE_MAX
-
-CUTLASS_DEVICE uint32_t mc_mul_bf16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
 
 // ---------------------------------------------------------------------------------------------
 // The mainloop collective.

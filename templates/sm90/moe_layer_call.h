@@ -23,6 +23,8 @@ typedef int (*McGemmFn)(const void* w_blocks, const void* w_scales, const float*
                         int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation,
                         float swiglu_alpha, float swiglu_limit, void* workspace, size_t workspace_bytes,
                         cudaStream_t stream);
+/* The signature of the one-launch layer (mc_sm90_moe_decode): the whole call from its argument block. */
+typedef int (*McFusedFn)(void* call);
 
 struct McLayerCall {
   /* per call */
@@ -34,6 +36,7 @@ struct McLayerCall {
   cudaStream_t stream;
   McGemmFn gemm1;                  /* the GEMM1 and GEMM2 configs for this many rows per expert */
   McGemmFn gemm2;
+  McFusedFn fused;                 /* non-NULL: the whole layer in this one launch instead (small batches) */
   /* per layer, workspace and options */
   int64_t ids_int64;
   int64_t top_k;
@@ -68,7 +71,7 @@ struct McLayerCall {
   float swiglu_alpha;
   float swiglu_limit;              /* +inf for none */
   float routed_scaling_factor;
-  int32_t failed;                  /* out: the launch that failed, 0 expand .. 3 finalize, 4 graph launch */
+  int32_t failed;                  /* out: the launch that failed, 0 expand .. 3 finalize, 4 graph launch, 5 fused */
   void* graphs;                    /* mc_layer's CUDA graphs of this block: NULL at first, freed by mc_layer_release */
 };
 

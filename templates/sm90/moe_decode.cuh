@@ -1,0 +1,611 @@
+// moe_cutlass: the whole MoE layer for small batches in ONE kernel launch (decode).
+//
+// What differs from the layer's other path (expand -> CUTLASS GEMM1 -> CUTLASS GEMM2 -> finalize,
+// four launches) and why:
+//  1. One cooperative, persistent launch (grid = #SMs) does routing, GEMM1 + activation, GEMM2 x
+//     routing weight and the finalize sum, separated by two grid-wide barriers. At M=1 the four
+//     launches cost more than the weights take to stream: per kernel, qwen3 GEMM1 11.2 us for
+//     3.2 us of weights, GEMM2 8.2 for 1.6, expand 3.3, finalize 2.5, plus ~6 us of gaps between
+//     graph nodes (benchmarks/results/profile_20261201T002829Z.json); a one-launch layer pays one
+//     launch, one pipeline fill per phase and two barriers.
+//  2. Every CTA redoes the routing of <= kMaxSlots slots in shared memory (counts, stable ranks,
+//     offsets, the active experts): no global pass, no expand kernel, no gather. GEMM1 reads the
+//     token rows straight from hidden_states.
+//  3. The GEMMs leave CUTLASS's collectives for a hand-written loop, because the CUTLASS
+//     kernel layer is one GEMM per launch and cannot wait inside a launch for another GEMM's
+//     output. What it keeps from our CUTLASS mainloop: the prepared weight layout, whose 512-byte
+//     slice per warp and 64-K unit is exactly a warp's mma.m16n8k16 A fragments for 16 rows and 4
+//     k-blocks (the RS-WGMMA A fragment of a warp is the m16n8k16 one), the bit-placement converter
+//     and the folded scale multiply (mxfp4_math.cuh), and the epilogue arithmetic. Tokens are the
+//     n = 8 side of mma.sync (at <= 16 rows per expert tensor-core rate is not the limit; the
+//     weight stream is).
+//  4. A producer warp streams each work item's weights, scales and token rows into an 8-stage
+//     shared-memory ring with cp.async.bulk (1-D bulk copies: a 32-row item's slice of a 64-K
+//     unit is 1 KB contiguous; no TMA descriptors, so nothing is encoded on the host), eight
+//     consumer warps convert and multiply. Work items are (expert, 32 weight rows, <= 16 tokens),
+//     handed to CTAs as contiguous ranges so a CTA's items share experts; each item's K is split
+//     over four consumer warps and summed through shared memory in a fixed order.
+//  5. While GEMM1 runs, the producer prefetches its GEMM2 weight slabs into L2
+//     (cp.async.bulk.prefetch.L2), so GEMM2 starts from L2 after the barrier.
+//  6. Determinism: no atomics in any sum. The finalize is the finalize kernel's arithmetic (fp32
+//     sum over the k choices in slot order, one multiply by routed_scaling_factor, one rounding);
+//     a token's bits depend on the batch only through the GEMMs' K-split order, which is fixed.
+//     (fused_moe(batch_invariant=True) never takes this path.)
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "moe_layer_call.h"
+#include "mxfp4_math.cuh"
+
+namespace moe_cutlass {
+namespace decode {
+
+constexpr int kMaxSlots = 256;        // M * top_k this path takes (the routing lives in shared memory)
+constexpr int kMaxExperts = 512;
+constexpr int kConsumerWarps = 8;
+constexpr int kThreads = (kConsumerWarps + 1) * 32;   // + the producer warp
+constexpr int kSlices = 4;            // K split of one item over consumer warps (x 2 row blocks)
+constexpr int kItemRows = 32;         // weight rows per item (2 x m16)
+constexpr int kItemTokens = 16;       // token rows per item (2 x n8)
+constexpr int kChunkUnits = 8;        // 64-K units per stage (K 512)
+constexpr int kStages = 8;
+constexpr int kRowPad = 128;          // layout.py: weight rows padded to 128, K to 64
+constexpr int kKPad = 64;
+// Stage: A [unit][1 KB], scales [group][32 B], B [token][K 512 bf16 + 16 B pad]. The pad makes
+// the B fragment loads conflict free (token n's row starts 4 banks after token n-1's).
+constexpr int kBRowBytes = kChunkUnits * 64 * 2 + 16;
+constexpr int kStageA = kChunkUnits * 1024;
+constexpr int kStageS = 2 * kChunkUnits * kItemRows;
+constexpr int kStageB = kItemTokens * kBRowBytes;
+constexpr int kStageBytes = kStageA + kStageS + kStageB;
+static_assert(kStageBytes % 128 == 0);
+constexpr int kPrefetchBytesPerCta = 256 << 10;   // L2 share per SM, of 50 MB: ~380 KB
+
+struct Args {
+  const __nv_bfloat16* hidden;
+  const void* topk_ids;
+  const float* topk_weights;
+  __nv_bfloat16* out;
+  const int32_t* expert_map;
+  int64_t num_global_experts;
+  int num_tokens, top_k, num_experts, H, I;
+  const uint8_t* w13_blocks;
+  const uint8_t* w13_scales;
+  const float* w13_bias;
+  const uint8_t* w2_blocks;
+  const uint8_t* w2_scales;
+  const float* w2_bias;
+  bool w13_slow, w2_slow;
+  __nv_bfloat16* inter;     // [slots][I]: GEMM1's output in expert order
+  __nv_bfloat16* rows;      // [slots][H]: GEMM2's output in expert order
+  int activation;
+  float alpha, limit, routed_scaling_factor;
+};
+
+// One GEMM's geometry: weights [E][Npad/64][Kp/64][2 KB], scales [E][Kp/32][Npad].
+struct Gemm {
+  const uint8_t* blocks;
+  const uint8_t* scales;
+  const float* bias;
+  bool slow;
+  int n_real, n_pad, k_real, k_pad;
+  __device__ int items_per_group() const { return n_real / kItemRows; }
+  __device__ int chunks() const { return (k_pad / 64 + kChunkUnits - 1) / kChunkUnits; }
+};
+
+struct Routing {
+  int slot_expert[kMaxSlots];
+  int slot_row[kMaxSlots];      // rank within the expert, then the row (-1: dropped)
+  int row_slot[kMaxSlots];
+  int count[kMaxExperts];
+  int offset[kMaxExperts];
+  int active[kMaxSlots];        // experts with rows, ascending
+  int item_base[kMaxSlots + 1]; // first token group of active expert a (groups of <= 16 rows)
+  int num_active;
+};
+
+struct Smem {
+  alignas(128) uint8_t stages[kStages][kStageBytes];
+  float red[2][kSlices - 1][2][32][8];   // K-slice partial sums, double buffered by item parity
+  alignas(8) uint64_t full[kStages];
+  alignas(8) uint64_t empty[kStages];
+  Routing r;
+};
+
+// ---- PTX helpers -----------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Consumer warps only (the producer runs ahead through the ring).
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32) : "memory");
+}
+
+// ---- routing in shared memory -----------------------------------------------------------------
+template <typename IdT>
+__device__ int local_expert(const Args& a, int slot) {
+  int64_t id = static_cast<int64_t>(static_cast<const IdT*>(a.topk_ids)[slot]);
+  if (a.expert_map != nullptr) {
+    if (id < 0 || id >= a.num_global_experts) return -1;
+    id = __ldg(a.expert_map + id);
+  }
+  return (id >= 0 && id < a.num_experts) ? static_cast<int>(id) : -1;
+}
+
+// Exclusive scan of v[0..n) in place by one warp (lane l takes a contiguous run); returns the total.
+__device__ int warp_exclusive_scan(int* v, int n) {
+  int const lane = threadIdx.x % 32;
+  int const per = (n + 31) / 32;
+  int const lo = min(lane * per, n), hi = min(lo + per, n);
+  int sum = 0;
+  for (int i = lo; i < hi; ++i) sum += v[i];
+  int incl = sum;
+  for (int d = 1; d < 32; d *= 2) {
+    int const o = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += o;
+  }
+  int run = incl - sum;
+  for (int i = lo; i < hi; ++i) {
+    int const c = v[i];
+    v[i] = run;
+    run += c;
+  }
+  return __shfl_sync(0xffffffffu, incl, 31);
+}
+
+// Rows in expert order, each expert's slots in slot order (the expand kernel's order).
+template <typename IdT>
+__device__ void route(const Args& a, Routing& r) {
+  int const slots = a.num_tokens * a.top_k;
+  for (int e = threadIdx.x; e < a.num_experts; e += kThreads) r.count[e] = 0;
+  for (int s = threadIdx.x; s < slots; s += kThreads) r.slot_expert[s] = local_expert<IdT>(a, s);
+  __syncthreads();
+  for (int s = threadIdx.x; s < slots; s += kThreads) {
+    int const e = r.slot_expert[s];
+    int rank = 0;
+    for (int j = 0; j < s; ++j) rank += r.slot_expert[j] == e;
+    r.slot_row[s] = rank;
+    if (e >= 0 && rank == 0) {
+      int n = 0;
+      for (int j = s; j < slots; ++j) n += r.slot_expert[j] == e;
+      r.count[e] = n;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    for (int e = threadIdx.x; e < a.num_experts; e += 32) r.offset[e] = r.count[e];
+    __syncwarp();
+    warp_exclusive_scan(r.offset, a.num_experts);
+    // active experts in ascending order: a ballot per 32 experts
+    int n = 0;
+    for (int e0 = 0; e0 < a.num_experts; e0 += 32) {
+      int const e = e0 + int(threadIdx.x);
+      bool const has = e < a.num_experts && r.count[e] > 0;
+      unsigned const mask = __ballot_sync(0xffffffffu, has);
+      if (has) r.active[n + __popc(mask & ((1u << threadIdx.x) - 1u))] = e;
+      n += __popc(mask);
+    }
+    __syncwarp();
+    for (int i = threadIdx.x; i < n; i += 32) r.item_base[i] = (r.count[r.active[i]] + kItemTokens - 1) / kItemTokens;
+    __syncwarp();
+    int const groups = warp_exclusive_scan(r.item_base, n);
+    if (threadIdx.x == 0) {
+      r.item_base[n] = groups;
+      r.num_active = n;
+    }
+  }
+  __syncthreads();
+  for (int s = threadIdx.x; s < slots; s += kThreads) {
+    int const e = r.slot_expert[s];
+    int const row = e >= 0 ? r.offset[e] + r.slot_row[s] : -1;
+    r.slot_row[s] = row;
+    if (row >= 0) r.row_slot[row] = s;
+  }
+  __syncthreads();
+}
+
+// ---- work items ------------------------------------------------------------------------------
+// Item i of a GEMM = (token group g, 32-row block q), g-major: a CTA's consecutive items share
+// token rows. Token group g = (active expert a, rows [16 j, 16 j + 16) of it).
+struct Item {
+  int e, q, row0, rows;
+};
+
+__device__ __forceinline__ Item item_at(const Routing& r, int per_group, int i) {
+  int const g = i / per_group;
+  int lo = 0, hi = r.num_active;   // the last a with item_base[a] <= g
+  while (hi - lo > 1) {
+    int const mid = (lo + hi) / 2;
+    if (r.item_base[mid] <= g) lo = mid; else hi = mid;
+  }
+  int const e = r.active[lo];
+  int const first = (g - r.item_base[lo]) * kItemTokens;
+  return {e, i - g * per_group, r.offset[e] + first, min(kItemTokens, r.count[e] - first)};
+}
+
+__device__ __forceinline__ void cta_range(int total, int* begin, int* end) {
+  *begin = int(int64_t(total) * blockIdx.x / gridDim.x);
+  *end = int(int64_t(total) * (blockIdx.x + 1) / gridDim.x);
+}
+
+// Pipeline position shared by producer and consumers: both walk the same (item, chunk) sequence.
+struct Ring {
+  int stage = 0;
+  uint32_t round = 0;
+  __device__ void next() {
+    if (++stage == kStages) stage = 0, ++round;
+  }
+};
+
+// ---- producer --------------------------------------------------------------------------------
+// Kind 1: token rows from hidden (row -> slot -> token); kind 2: GEMM1's rows of inter.
+template <int Kind>
+__device__ void produce(const Args& a, const Gemm& G, Smem& sm, Ring& ring) {
+  int const lane = threadIdx.x % 32;
+  int const total = sm.r.item_base[sm.r.num_active] * G.items_per_group();
+  int begin, end;
+  cta_range(total, &begin, &end);
+  int const units = G.k_pad / 64;
+  for (int i = begin; i < end; ++i) {
+    Item const it = item_at(sm.r, G.items_per_group(), i);
+    // this lane's token row (lanes < it.rows)
+    const __nv_bfloat16* src_row = nullptr;
+    if (lane < it.rows) {
+      int const row = it.row0 + lane;
+      src_row = Kind == 1 ? a.hidden + int64_t(sm.r.row_slot[row] / a.top_k) * a.H : a.inter + int64_t(row) * a.I;
+    }
+    const uint8_t* wa = G.blocks + (int64_t(it.e) * (G.n_pad / 64) + it.q / 2) * units * 2048 + (it.q % 2) * 1024;
+    const uint8_t* ws = G.scales + int64_t(it.e) * (G.k_pad / 32) * G.n_pad + it.q * kItemRows;
+    for (int c = 0; c < G.chunks(); ++c) {
+      int const u0 = c * kChunkUnits;
+      int const cu = min(kChunkUnits, units - u0);
+      int const k0 = u0 * 64;
+      uint32_t const b_bytes = uint32_t(min(kChunkUnits * 64, G.k_real - k0)) * 2;
+      uint32_t const bytes = cu * 1024 + 2 * cu * kItemRows + it.rows * b_bytes;
+      if (ring.round > 0) mbar_wait(&sm.empty[ring.stage], (ring.round - 1) & 1);
+      uint8_t* st = sm.stages[ring.stage];
+      uint64_t* full = &sm.full[ring.stage];
+      if (lane == 0) mbar_expect_tx(full, bytes);
+      __syncwarp();
+      if (lane < cu) bulk_copy(st + lane * 1024, wa + int64_t(u0 + lane) * 2048, 1024, full);
+      if (lane < 2 * cu) {
+        bulk_copy(st + kStageA + lane * kItemRows, ws + int64_t(2 * u0 + lane) * G.n_pad, kItemRows, full);
+      }
+      if (lane < it.rows) bulk_copy(st + kStageA + kStageS + lane * kBRowBytes, src_row + k0, b_bytes, full);
+      ring.next();
+    }
+  }
+}
+
+// GEMM2's weight slabs of this CTA's items into L2, up to kPrefetchBytesPerCta.
+__device__ void prefetch_gemm2(const Gemm& G, const Routing& r) {
+  int const lane = threadIdx.x % 32;
+  int const total = r.item_base[r.num_active] * G.items_per_group();
+  int begin, end;
+  cta_range(total, &begin, &end);
+  int64_t const slab_bytes = int64_t(G.k_pad / 64) * 2048;
+  int budget = kPrefetchBytesPerCta;
+  int last = -1;
+  for (int i = begin; i < end && budget > 0; ++i) {
+    Item const it = item_at(r, G.items_per_group(), i);
+    int const slab = it.e * (G.n_pad / 64) + it.q / 2;
+    if (slab == last) continue;
+    last = slab;
+    // the slab split over the lanes, 16-byte multiples
+    int64_t const piece = (slab_bytes / 32 + 15) / 16 * 16;
+    int64_t const lo = lane * piece, hi = min(slab_bytes, lo + piece);
+    if (hi > lo) prefetch_l2(G.blocks + int64_t(slab) * slab_bytes + lo, uint32_t(hi - lo));
+    budget -= int(slab_bytes);
+  }
+}
+
+// ---- consumers -------------------------------------------------------------------------------
+template <int Kind>
+__device__ void consume(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int& parity) {
+  int const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int const rb = warp & 1, slice = warp >> 1;
+  int const gq = lane / 4, cq = lane % 4;
+  int const total = sm.r.item_base[sm.r.num_active] * G.items_per_group();
+  int begin, end;
+  cta_range(total, &begin, &end);
+  int const units = G.k_pad / 64;
+  for (int i = begin; i < end; ++i) {
+    Item const it = item_at(sm.r, G.items_per_group(), i);
+    bool const two = it.rows > 8;   // warp-uniform: the second n8 block has tokens
+    float acc[2][4] = {};
+    for (int c = 0; c < G.chunks(); ++c) {
+      int const u0 = c * kChunkUnits;
+      int const cu = min(kChunkUnits, units - u0);
+      mbar_wait(&sm.full[ring.stage], ring.round & 1);
+      uint8_t const* st = sm.stages[ring.stage];
+      for (int u = slice; u < cu; u += kSlices) {
+        uint4 const w = *reinterpret_cast<uint4 const*>(st + u * 1024 + rb * 512 + lane * 16);
+        uint32_t const words[4] = {w.x, w.y, w.z, w.w};
+        uint32_t sc[2][2];
+#pragma unroll
+        for (int g = 0; g < 2; ++g) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            uint32_t const sb = st[kStageA + (2 * u + g) * kItemRows + rb * 16 + gq + 8 * h];
+            sc[g][h] = G.slow ? mc_e8m0_to_bf16x2(sb) : mc_scale_fast(sb);
+          }
+        }
+        int const kbase = (u0 + u) * 64;
+#pragma unroll
+        for (int kb = 0; kb < 4; ++kb) {
+          uint32_t f[4];
+          mc_e2m1x8_to_bf16(words[kb], f);
+          if (G.slow) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) f[j] = mc_mul_bf16x2(f[j], kUnbias);
+          }
+          uint32_t const s0 = sc[kb / 2][0], s1 = sc[kb / 2][1];
+          uint32_t const frag[4] = {mc_mul_bf16x2(f[0], s0), mc_mul_bf16x2(f[1], s1), mc_mul_bf16x2(f[2], s0),
+                                    mc_mul_bf16x2(f[3], s1)};
+          // B: token n = lane / 4 of each n8 block; K past k_real and tokens past the item are 0
+          // (the stage holds stale bytes there).
+          bool const kval = kbase + kb * 16 < G.k_real;
+          uint8_t const* bp = st + kStageA + kStageS + (u * 64 + kb * 16 + 2 * cq) * 2;
+#pragma unroll
+          for (int nb = 0; nb < 2; ++nb) {
+            if (nb == 1 && !two) break;
+            int const n = nb * 8 + gq;
+            bool const ok = kval && n < it.rows;
+            uint32_t const b0 = ok ? *reinterpret_cast<uint32_t const*>(bp + n * kBRowBytes) : 0u;
+            uint32_t const b1 = ok ? *reinterpret_cast<uint32_t const*>(bp + n * kBRowBytes + 16) : 0u;
+            mma_bf16(acc[nb], frag, b0, b1);
+          }
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&sm.empty[ring.stage]);
+      ring.next();
+    }
+    // K slices 1..3 hand their sums to slice 0, which adds them in slice order.
+    if (slice > 0) {
+      float* dst = sm.red[parity][slice - 1][rb][lane];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) dst[j] = acc[j / 4][j % 4];
+    }
+    consumers_sync();
+    parity ^= 1;
+    if (slice > 0) continue;
+#pragma unroll
+    for (int s = 0; s < kSlices - 1; ++s) {
+      float const* src = sm.red[parity ^ 1][s][rb][lane];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j / 4][j % 4] += src[j];
+    }
+    // accumulator (m16n8): c0,c1 row gq, tokens 2cq, 2cq+1; c2,c3 row gq + 8
+    int const m = it.q * kItemRows + rb * 16 + gq;   // weight row (prepared order)
+    const float* bias = G.bias ? G.bias + int64_t(it.e) * G.n_pad : nullptr;
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        int const n = nb * 8 + 2 * cq + t;
+        if (n >= it.rows) continue;
+        int64_t const row = it.row0 + n;
+        if constexpr (Kind == 1) {
+          // paired rows (layout.py): 16-row block b = gate[8b..8b+7], then up[8b..8b+7]
+          int const col = (m >> 4) * 8 + (m & 7);
+          float g = acc[nb][t], u = acc[nb][2 + t];
+          if (bias) { g += bias[m]; u += bias[m + 8]; }
+          if (col < a.I) a.inter[row * a.I + col] = __float2bfloat16_rn(mc_activation(g, u, a.activation, a.alpha, a.limit));
+        } else {
+          float const w = a.topk_weights[sm.r.row_slot[row]];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            int const mm = m + 8 * h;
+            float v = acc[nb][2 * h + t];
+            if (bias) v += bias[mm];
+            v *= w;
+            if (mm < a.H) a.rows[row * a.H + mm] = __float2bfloat16_rn(v);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- finalize --------------------------------------------------------------------------------
+// The finalize kernel's arithmetic (routing.cuh): per 8 outputs, fp32 sum over j = 0..k-1, then
+// one multiply by the scaling factor and one rounding.
+__device__ void finalize(const Args& a, const Routing& r) {
+  int64_t const chunks = a.H / 8;
+  int64_t const n = int64_t(a.num_tokens) * chunks;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
+    int64_t const t = i / chunks, c = i - t * chunks;
+    float acc[8] = {};
+    for (int j = 0; j < a.top_k; ++j) {
+      int const row = r.slot_row[t * a.top_k + j];
+      if (row < 0) continue;
+      uint4 const v = __ldcg(reinterpret_cast<const uint4*>(a.rows + int64_t(row) * a.H) + c);
+      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        float2 const f = __bfloat1622float2(p[q]);
+        acc[2 * q] += f.x;
+        acc[2 * q + 1] += f.y;
+      }
+    }
+    uint4 packed;
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      o[q] = __floats2bfloat162_rn(__fmul_rn(acc[2 * q], a.routed_scaling_factor),
+                                   __fmul_rn(acc[2 * q + 1], a.routed_scaling_factor));
+    }
+    *(reinterpret_cast<uint4*>(a.out + t * a.H) + c) = packed;
+  }
+}
+
+// Generic-proxy stores of one phase become visible to the next phase's bulk copies (async proxy)
+// and loads in other CTAs: proxy fence, then the grid barrier (which fences at gpu scope).
+__device__ __forceinline__ void phase_barrier() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  cooperative_groups::this_grid().sync();
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+template <typename IdT>
+__global__ void __launch_bounds__(kThreads, 1) layer_kernel(Args a) {
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&sm.full[s], 1);
+      mbar_init(&sm.empty[s], kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  route<IdT>(a, sm.r);   // ends with __syncthreads: the barriers are initialised too
+
+  Gemm const g1{a.w13_blocks, a.w13_scales, a.w13_bias, a.w13_slow,
+                2 * a.I, (2 * a.I + kRowPad - 1) / kRowPad * kRowPad, a.H, (a.H + kKPad - 1) / kKPad * kKPad};
+  Gemm const g2{a.w2_blocks, a.w2_scales, a.w2_bias, a.w2_slow,
+                a.H, (a.H + kRowPad - 1) / kRowPad * kRowPad, a.I, (a.I + kKPad - 1) / kKPad * kKPad};
+  Ring ring;
+  int parity = 0;
+  bool const producer = threadIdx.x / 32 == kConsumerWarps;
+  if (producer) {
+    produce<1>(a, g1, sm, ring);
+    prefetch_gemm2(g2, sm.r);
+  } else {
+    consume<1>(a, g1, sm, ring, parity);
+  }
+  phase_barrier();
+  if (producer) {
+    produce<2>(a, g2, sm, ring);
+  } else {
+    consume<2>(a, g2, sm, ring, parity);
+  }
+  phase_barrier();
+  finalize(a, sm.r);
+}
+
+// ---- host ------------------------------------------------------------------------------------
+inline bool misaligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a != 0; }
+
+template <typename IdT>
+int launch(McLayerCall const* c) {
+  int64_t const slots = c->num_tokens * c->top_k;
+  if (c->num_tokens < 0 || c->top_k < 1 || slots > kMaxSlots || c->num_experts < 1 ||
+      c->num_experts > kMaxExperts || c->hidden_size <= 0 || c->hidden_size % 32 != 0 ||
+      c->intermediate_size <= 0 || c->intermediate_size % 32 != 0 || c->hidden_size > INT_MAX / 2 ||
+      c->intermediate_size > INT_MAX / 4 || (c->expert_map != nullptr && c->num_global_experts < 0)) {
+    return int(cudaErrorInvalidValue);
+  }
+  if (slots == 0) return int(cudaSuccess);
+  if (!c->hidden || !c->topk_ids || !c->topk_weights || !c->out || !c->w13_blocks || !c->w13_scales ||
+      !c->w2_blocks || !c->w2_scales || !c->gathered || !c->inter || c->act_rows < slots) {
+    return int(cudaErrorInvalidValue);
+  }
+  if (misaligned(c->hidden, 16) || misaligned(c->out, 16) || misaligned(c->w13_blocks, 16) ||
+      misaligned(c->w13_scales, 16) || misaligned(c->w2_blocks, 16) || misaligned(c->w2_scales, 16) ||
+      misaligned(c->gathered, 16) || misaligned(c->inter, 16)) {
+    return int(cudaErrorInvalidValue);
+  }
+  Args a;
+  a.hidden = static_cast<const __nv_bfloat16*>(c->hidden);
+  a.topk_ids = c->topk_ids;
+  a.topk_weights = c->topk_weights;
+  a.out = static_cast<__nv_bfloat16*>(c->out);
+  a.expert_map = c->expert_map;
+  a.num_global_experts = c->num_global_experts;
+  a.num_tokens = int(c->num_tokens);
+  a.top_k = int(c->top_k);
+  a.num_experts = int(c->num_experts);
+  a.H = int(c->hidden_size);
+  a.I = int(c->intermediate_size);
+  a.w13_blocks = static_cast<const uint8_t*>(c->w13_blocks);
+  a.w13_scales = static_cast<const uint8_t*>(c->w13_scales);
+  a.w13_bias = c->w13_bias;
+  a.w2_blocks = static_cast<const uint8_t*>(c->w2_blocks);
+  a.w2_scales = static_cast<const uint8_t*>(c->w2_scales);
+  a.w2_bias = c->w2_bias;
+  a.w13_slow = c->w13_scale_max > kFastScaleMax;
+  a.w2_slow = c->w2_scale_max > kFastScaleMax;
+  a.inter = static_cast<__nv_bfloat16*>(c->inter);
+  a.rows = static_cast<__nv_bfloat16*>(c->gathered);
+  a.activation = int(c->activation);
+  a.alpha = c->swiglu_alpha;
+  a.limit = c->swiglu_limit;
+  a.routed_scaling_factor = c->routed_scaling_factor;
+
+  // Per device: the shared-memory opt-in and the co-resident grid (one CTA per SM).
+  constexpr int kMaxDevices = 64;
+  static int grid_of[kMaxDevices] = {};   // benign race: every writer stores the same value
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return int(err);
+  if (dev < 0 || dev >= kMaxDevices) return int(cudaErrorInvalidDevice);
+  auto kernel = layer_kernel<IdT>;
+  if (grid_of[dev] == 0) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(Smem)));
+    if (err != cudaSuccess) return int(err);
+    int per_sm = 0, sms = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, sizeof(Smem));
+    if (err != cudaSuccess) return int(err);
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (err != cudaSuccess) return int(err);
+    if (per_sm < 1) return int(cudaErrorCooperativeLaunchTooLarge);
+    grid_of[dev] = sms;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid_of[dev]);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = sizeof(Smem);
+  cfg.stream = c->stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  err = cudaLaunchKernelEx(&cfg, kernel, a);
+  return int(err != cudaSuccess ? err : cudaGetLastError());
+}
+
+}  // namespace decode
+}  // namespace moe_cutlass
