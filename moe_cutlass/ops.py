@@ -184,12 +184,12 @@ FUSED_KERNEL = "moe_decode"
 
 
 class _Gemms(NamedTuple):
-    """The kernels of one call: entry addresses for mc_layer (fused: the one-launch layer, or None),
+    """The kernels of one call: entry addresses for mc_layer (fused: the one-launch layer, or 0),
     names for error messages in the order of McLayerCall.failed."""
 
     gemm1: int
     gemm2: int
-    fused: object
+    fused: int
     names: tuple
 
 
@@ -210,7 +210,7 @@ def _gemms(slots: int, E: int, batch_invariant: bool, fused: bool, ids_int64: bo
     lib = _lib.library()
     gemm1, gemm2 = (ctypes.cast(lib.function(n), ctypes.c_void_p).value for n in names)
     fused_name = f"mc_sm90_{FUSED_KERNEL}"
-    fused_address = ctypes.cast(lib.function(fused_name), ctypes.c_void_p).value if fused else None
+    fused_address = ctypes.cast(lib.function(fused_name), ctypes.c_void_p).value if fused else 0
     expand = "mc_expand_i64" if ids_int64 else "mc_expand_i32"
     return _Gemms(gemm1, gemm2, fused_address,
                   (expand, *names, "mc_finalize", "mc_layer (its CUDA graph launch)", fused_name))

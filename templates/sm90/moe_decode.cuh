@@ -19,12 +19,13 @@
 //     and the folded scale multiply (mxfp4_math.cuh), and the epilogue arithmetic. Tokens are the
 //     n = 8 side of mma.sync (at <= 16 rows per expert tensor-core rate is not the limit; the
 //     weight stream is).
-//  4. A producer warp streams each work item's weights, scales and token rows into an 8-stage
-//     shared-memory ring with cp.async.bulk (1-D bulk copies: a 32-row item's slice of a 64-K
-//     unit is 1 KB contiguous; no TMA descriptors, so nothing is encoded on the host), eight
-//     consumer warps convert and multiply. Work items are (expert, 32 weight rows, <= 16 tokens),
-//     handed to CTAs as contiguous ranges so a CTA's items share experts; each item's K is split
-//     over four consumer warps and summed through shared memory in a fixed order.
+//  4. A producer warp streams each work item's weights, scales and token rows into a 5-stage
+//     shared-memory ring: weights with ONE 1-D bulk copy per stage (a 64-row slab is contiguous
+//     over K in the prepared layout; no TMA descriptors, nothing encoded on the host), token rows
+//     with one bulk copy each, scales with 16-byte cp.async spread over the producer's lanes;
+//     sixteen consumer warps convert and multiply. Work items are (expert, 64 weight rows, <= 16
+//     tokens), handed to CTAs as contiguous ranges so a CTA's items share experts; each item's K
+//     is split over four consumer warps and summed through shared memory in a fixed order.
 //  5. While GEMM1 runs, the producer prefetches its GEMM2 weight slabs into L2
 //     (cp.async.bulk.prefetch.L2), so GEMM2 starts from L2 after the barrier.
 //  6. Determinism: no atomics in any sum. The finalize is the finalize kernel's arithmetic (fp32
@@ -48,19 +49,19 @@ namespace decode {
 
 constexpr int kMaxSlots = 256;        // M * top_k this path takes (the routing lives in shared memory)
 constexpr int kMaxExperts = 512;
-constexpr int kConsumerWarps = 8;
+constexpr int kConsumerWarps = 16;
 constexpr int kThreads = (kConsumerWarps + 1) * 32;   // + the producer warp
-constexpr int kSlices = 4;            // K split of one item over consumer warps (x 2 row blocks)
-constexpr int kItemRows = 32;         // weight rows per item (2 x m16)
+constexpr int kSlices = 4;            // K split of one item over consumer warps (x 4 row blocks)
+constexpr int kItemRows = 64;         // weight rows per item (4 x m16): one slab, contiguous over K
 constexpr int kItemTokens = 16;       // token rows per item (2 x n8)
 constexpr int kChunkUnits = 8;        // 64-K units per stage (K 512)
-constexpr int kStages = 8;
+constexpr int kStages = 5;
 constexpr int kRowPad = 128;          // layout.py: weight rows padded to 128, K to 64
 constexpr int kKPad = 64;
-// Stage: A [unit][1 KB], scales [group][32 B], B [token][K 512 bf16 + 16 B pad]. The pad makes
+// Stage: A [unit][2 KB], scales [group][64 B], B [token][K 512 bf16 + 16 B pad]. The pad makes
 // the B fragment loads conflict free (token n's row starts 4 banks after token n-1's).
 constexpr int kBRowBytes = kChunkUnits * 64 * 2 + 16;
-constexpr int kStageA = kChunkUnits * 1024;
+constexpr int kStageA = kChunkUnits * 2048;
 constexpr int kStageS = 2 * kChunkUnits * kItemRows;
 constexpr int kStageB = kItemTokens * kBRowBytes;
 constexpr int kStageBytes = kStageA + kStageS + kStageB;
@@ -95,7 +96,7 @@ struct Gemm {
   const float* bias;
   bool slow;
   int n_real, n_pad, k_real, k_pad;
-  __device__ int items_per_group() const { return n_real / kItemRows; }
+  __device__ int items_per_group() const { return (n_real + kItemRows - 1) / kItemRows; }
   __device__ int chunks() const { return (k_pad / 64 + kChunkUnits - 1) / kChunkUnits; }
 };
 
@@ -112,7 +113,7 @@ struct Routing {
 
 struct Smem {
   alignas(128) uint8_t stages[kStages][kStageBytes];
-  float red[2][kSlices - 1][2][32][8];   // K-slice partial sums, double buffered by item parity
+  float red[2][kSlices - 1][4][32][8];   // K-slice partial sums, double buffered by item parity
   alignas(8) uint64_t full[kStages];
   alignas(8) uint64_t empty[kStages];
   Routing r;
@@ -147,6 +148,14 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(dst)),
       "l"(src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
+}
+// 16 bytes global -> shared (LDGSTS), and an arrival on `bar` once this thread's copies landed
+// (pending count raised now, so the phase cannot complete before them).
+__device__ __forceinline__ void async_copy16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void async_copies_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 __device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
@@ -295,22 +304,27 @@ __device__ void produce(const Args& a, const Gemm& G, Smem& sm, Ring& ring) {
       int const row = it.row0 + lane;
       src_row = Kind == 1 ? a.hidden + int64_t(sm.r.row_slot[row] / a.top_k) * a.H : a.inter + int64_t(row) * a.I;
     }
-    const uint8_t* wa = G.blocks + (int64_t(it.e) * (G.n_pad / 64) + it.q / 2) * units * 2048 + (it.q % 2) * 1024;
+    const uint8_t* wa = G.blocks + (int64_t(it.e) * (G.n_pad / 64) + it.q) * units * 2048;
     const uint8_t* ws = G.scales + int64_t(it.e) * (G.k_pad / 32) * G.n_pad + it.q * kItemRows;
     for (int c = 0; c < G.chunks(); ++c) {
       int const u0 = c * kChunkUnits;
       int const cu = min(kChunkUnits, units - u0);
       int const k0 = u0 * 64;
       uint32_t const b_bytes = uint32_t(min(kChunkUnits * 64, G.k_real - k0)) * 2;
-      uint32_t const bytes = cu * 1024 + 2 * cu * kItemRows + it.rows * b_bytes;
       if (ring.round > 0) mbar_wait(&sm.empty[ring.stage], (ring.round - 1) & 1);
       uint8_t* st = sm.stages[ring.stage];
       uint64_t* full = &sm.full[ring.stage];
-      if (lane == 0) mbar_expect_tx(full, bytes);
+      // Scales: 2 cu groups x 64 rows, 16 bytes per copy spread over the lanes (as bulk copies, 16
+      // tiny requests per stage throttled the copy engine: measured 0.5-0.85 TB/s).
+      for (int p = lane; p < 2 * cu * (kItemRows / 16); p += 32) {
+        int const g = p / (kItemRows / 16), o = (p % (kItemRows / 16)) * 16;
+        async_copy16(st + kStageA + g * kItemRows + o, ws + int64_t(u0 * 2 + g) * G.n_pad + o);
+      }
+      async_copies_arrive(full);
       __syncwarp();
-      if (lane < cu) bulk_copy(st + lane * 1024, wa + int64_t(u0 + lane) * 2048, 1024, full);
-      if (lane < 2 * cu) {
-        bulk_copy(st + kStageA + lane * kItemRows, ws + int64_t(2 * u0 + lane) * G.n_pad, kItemRows, full);
+      if (lane == 0) {
+        mbar_expect_tx(full, cu * 2048 + it.rows * b_bytes);
+        bulk_copy(st, wa + int64_t(u0) * 2048, cu * 2048, full);
       }
       if (lane < it.rows) bulk_copy(st + kStageA + kStageS + lane * kBRowBytes, src_row + k0, b_bytes, full);
       ring.next();
@@ -329,7 +343,7 @@ __device__ void prefetch_gemm2(const Gemm& G, const Routing& r) {
   int last = -1;
   for (int i = begin; i < end && budget > 0; ++i) {
     Item const it = item_at(r, G.items_per_group(), i);
-    int const slab = it.e * (G.n_pad / 64) + it.q / 2;
+    int const slab = it.e * (G.n_pad / 64) + it.q;
     if (slab == last) continue;
     last = slab;
     // the slab split over the lanes, 16-byte multiples
@@ -341,68 +355,96 @@ __device__ void prefetch_gemm2(const Gemm& G, const Routing& r) {
 }
 
 // ---- consumers -------------------------------------------------------------------------------
+// One 64-K unit of this warp's 16 weight rows: KB k-blocks (4, or 2 for a unit half in the K
+// padding: K % 64 == 32, whose token bytes are stale), NB n8 token blocks. The scale path, NB
+// and KB are compile-time: per-k-block tests and selects cost more ALU issue slots than the
+// converter itself (ncu, gpt-oss M=4: 0.62 warp instructions/cycle/scheduler, ~190 per 1024
+// weights against ~110 counted in the loop).
+template <bool Slow, int NB, int KB>
+__device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int lane, float (&acc)[4][2][4]) {
+  int const gq = lane / 4, cq = lane % 4;
+  uint4 const w = *reinterpret_cast<uint4 const*>(st + u * 2048 + rb * 512 + lane * 16);
+  uint32_t const words[4] = {w.x, w.y, w.z, w.w};
+  uint32_t sc[2][2];
+#pragma unroll
+  for (int g = 0; g < KB / 2; ++g) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t const sb = st[kStageA + (2 * u + g) * kItemRows + rb * 16 + gq + 8 * h];
+      sc[g][h] = Slow ? mc_e8m0_to_bf16x2(sb) : mc_scale_fast(sb);
+    }
+  }
+  // B: token n = lane / 4 of each n8 block, unmasked: a token row past the item holds stale
+  // bytes, which reach only its own output column, never stored.
+  uint8_t const* bp = st + kStageA + kStageS + (u * 64 + 2 * cq) * 2 + gq * kBRowBytes;
+#pragma unroll
+  for (int kb = 0; kb < KB; ++kb) {
+    uint32_t f[4];
+    mc_e2m1x8_to_bf16(words[kb], f);
+    if constexpr (Slow) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) f[j] = mc_mul_bf16x2(f[j], kUnbias);
+    }
+    uint32_t const s0 = sc[kb / 2][0], s1 = sc[kb / 2][1];
+    uint32_t const frag[4] = {mc_mul_bf16x2(f[0], s0), mc_mul_bf16x2(f[1], s1), mc_mul_bf16x2(f[2], s0),
+                              mc_mul_bf16x2(f[3], s1)};
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      uint8_t const* b = bp + kb * 32 + nb * 8 * kBRowBytes;
+      mma_bf16(acc[kb][nb], frag, *reinterpret_cast<uint32_t const*>(b), *reinterpret_cast<uint32_t const*>(b + 16));
+    }
+  }
+}
+
+// One item's k loop over the ring: this warp's units of every chunk, then the stage released.
+template <bool Slow, int NB>
+__device__ void item_mma(const Gemm& G, Smem& sm, Ring& ring, int rb, int slice, float (&acc)[4][2][4]) {
+  int const lane = threadIdx.x % 32;
+  int const units = G.k_pad / 64;
+  for (int c = 0; c < G.chunks(); ++c) {
+    int const u0 = c * kChunkUnits;
+    int const cu = min(kChunkUnits, units - u0);
+    mbar_wait(&sm.full[ring.stage], ring.round & 1);
+    uint8_t const* st = sm.stages[ring.stage];
+#pragma unroll
+    for (int uu = 0; uu < kChunkUnits / kSlices; ++uu) {
+      int const u = slice + uu * kSlices;
+      if (u >= cu) break;
+      if ((u0 + u) * 64 + 64 <= G.k_real) {
+        unit_mma<Slow, NB, 4>(st, u, rb, lane, acc);
+      } else {
+        unit_mma<Slow, NB, 2>(st, u, rb, lane, acc);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&sm.empty[ring.stage]);
+    ring.next();
+  }
+}
+
 template <int Kind>
 __device__ void consume(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int& parity) {
   int const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int const rb = warp & 1, slice = warp >> 1;
+  int const rb = warp & 3, slice = warp >> 2;
   int const gq = lane / 4, cq = lane % 4;
   int const total = sm.r.item_base[sm.r.num_active] * G.items_per_group();
   int begin, end;
   cta_range(total, &begin, &end);
-  int const units = G.k_pad / 64;
   for (int i = begin; i < end; ++i) {
     Item const it = item_at(sm.r, G.items_per_group(), i);
-    bool const two = it.rows > 8;   // warp-uniform: the second n8 block has tokens
-    float acc[2][4] = {};
-    for (int c = 0; c < G.chunks(); ++c) {
-      int const u0 = c * kChunkUnits;
-      int const cu = min(kChunkUnits, units - u0);
-      mbar_wait(&sm.full[ring.stage], ring.round & 1);
-      uint8_t const* st = sm.stages[ring.stage];
-      for (int u = slice; u < cu; u += kSlices) {
-        uint4 const w = *reinterpret_cast<uint4 const*>(st + u * 1024 + rb * 512 + lane * 16);
-        uint32_t const words[4] = {w.x, w.y, w.z, w.w};
-        uint32_t sc[2][2];
-#pragma unroll
-        for (int g = 0; g < 2; ++g) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            uint32_t const sb = st[kStageA + (2 * u + g) * kItemRows + rb * 16 + gq + 8 * h];
-            sc[g][h] = G.slow ? mc_e8m0_to_bf16x2(sb) : mc_scale_fast(sb);
-          }
-        }
-        int const kbase = (u0 + u) * 64;
-#pragma unroll
-        for (int kb = 0; kb < 4; ++kb) {
-          uint32_t f[4];
-          mc_e2m1x8_to_bf16(words[kb], f);
-          if (G.slow) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) f[j] = mc_mul_bf16x2(f[j], kUnbias);
-          }
-          uint32_t const s0 = sc[kb / 2][0], s1 = sc[kb / 2][1];
-          uint32_t const frag[4] = {mc_mul_bf16x2(f[0], s0), mc_mul_bf16x2(f[1], s1), mc_mul_bf16x2(f[2], s0),
-                                    mc_mul_bf16x2(f[3], s1)};
-          // B: token n = lane / 4 of each n8 block; K past k_real and tokens past the item are 0
-          // (the stage holds stale bytes there).
-          bool const kval = kbase + kb * 16 < G.k_real;
-          uint8_t const* bp = st + kStageA + kStageS + (u * 64 + kb * 16 + 2 * cq) * 2;
-#pragma unroll
-          for (int nb = 0; nb < 2; ++nb) {
-            if (nb == 1 && !two) break;
-            int const n = nb * 8 + gq;
-            bool const ok = kval && n < it.rows;
-            uint32_t const b0 = ok ? *reinterpret_cast<uint32_t const*>(bp + n * kBRowBytes) : 0u;
-            uint32_t const b1 = ok ? *reinterpret_cast<uint32_t const*>(bp + n * kBRowBytes + 16) : 0u;
-            mma_bf16(acc[nb], frag, b0, b1);
-          }
-        }
-      }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&sm.empty[ring.stage]);
-      ring.next();
+    // one accumulator chain per k-block of a unit: mma.sync's latency is not serialised
+    float acc4[4][2][4] = {};
+    if (it.rows > 8) {   // warp-uniform: the second n8 block has tokens
+      G.slow ? item_mma<true, 2>(G, sm, ring, rb, slice, acc4) : item_mma<false, 2>(G, sm, ring, rb, slice, acc4);
+    } else {
+      G.slow ? item_mma<true, 1>(G, sm, ring, rb, slice, acc4) : item_mma<false, 1>(G, sm, ring, rb, slice, acc4);
     }
-    // K slices 1..3 hand their sums to slice 0, which adds them in slice order.
+    float acc[2][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      acc[j / 4][j % 4] = (acc4[0][j / 4][j % 4] + acc4[1][j / 4][j % 4]) + (acc4[2][j / 4][j % 4] + acc4[3][j / 4][j % 4]);
+    }
+    // K slices 1.. hand their sums to slice 0, which adds them in slice order.
     if (slice > 0) {
       float* dst = sm.red[parity][slice - 1][rb][lane];
 #pragma unroll
@@ -609,3 +651,4 @@ int launch(McLayerCall const* c) {
 
 }  // namespace decode
 }  // namespace moe_cutlass
+
