@@ -128,21 +128,23 @@ def graph_of(fn):
     return graph
 
 
-def paths_of(M, k, compare_paths):
-    """(path name, ops.FUSED_MAX_TOKENS for it): the library's choice, or with compare_paths both
-    the one-launch layer and the four launches wherever the former can take M."""
+def paths_of(M, k, H, I, compare_paths):
+    """(path name, (ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_EXPERT_WEIGHTS) for it): the library's
+    choice, or with compare_paths both the one-launch layer and the four launches wherever the
+    former can take M."""
     if compare_paths and M * k <= ops.fused_max_slots():
-        return (("fused", 1 << 30), ("launches", 0))
-    return (("fused" if ops.uses_fused(M, k) else "launches", ops.FUSED_MAX_TOKENS),)
+        return (("fused", (1 << 30, 1 << 62)), ("launches", (0, 0)))
+    path = "fused" if ops.uses_fused(M, k, H, I) else "launches"
+    return ((path, (ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_EXPERT_WEIGHTS)),)
 
 
 def bench_config(name, tokens, timer, floors, gen, batch_invariant=False, compare_paths=False):
     E, H, I, k = CONFIGS[name]
     experts = random_experts(E, H, I, gen)
     rows = []
-    default_max = ops.FUSED_MAX_TOKENS
-    for M, (path, fused_max) in ((M, p) for M in tokens for p in paths_of(M, k, compare_paths)):
-        ops.FUSED_MAX_TOKENS = fused_max
+    defaults = ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_EXPERT_WEIGHTS
+    for M, (path, limits) in ((M, p) for M in tokens for p in paths_of(M, k, H, I, compare_paths)):
+        ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_EXPERT_WEIGHTS = limits
         x, weights, ids = random_batch(M, E, H, k, gen)
         out = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
 
@@ -167,7 +169,7 @@ def bench_config(name, tokens, timer, floors, gen, batch_invariant=False, compar
             print(f"{name:14s} M={M:6d} {row['path']:8s} {mode:5s} {us:9.1f} us  floor {floor:8.1f} us  "
                   f"x{us / floor:5.2f}  relerr {relerr if relerr is None else f'{relerr:.1e}'}{host}", flush=True)
         del graph
-    ops.FUSED_MAX_TOKENS = default_max
+    ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_EXPERT_WEIGHTS = defaults
     return rows
 
 

@@ -16,7 +16,7 @@ Prepared tensors (dict values; the expert is dim 0 of every tensor):
   16 * (t // 32) + (t % 32) // 4 and k = 2 * (t % 4)). Value v sits in the 16-bit lane v & 1
   (low lane: even v) at the bit positions BIT_POS[v >> 1] of its (sign, e1, e0, m) code bits:
   the layout whose conversion to bf16 is one mask or shift-and-mask per output register plus one
-  multiply (templates/sm90/moe_gemm_mainloop.hpp, mc_e2m1x8_to_bf16).
+  multiply (templates/sm90/mxfp4_math.cuh, mc_e2m1x8_to_bf16).
 - ``scales``: uint8 [E, Kp/32, Npad], E8M0 bytes, N contiguous (the TMA box is (TileM, TileK/32));
   padding holds 0 (with zero codes, contributes exactly 0).
 - ``bias`` (only when a bias is given): float32 [E, Npad], zero padded.

@@ -175,11 +175,15 @@ class LayerCall(ctypes.Structure):
 _PER_CALL = struct.Struct("=QQQQqQQQQ")
 assert [getattr(LayerCall, f).offset for f, _ in LayerCall._fields_[:9]] == list(range(0, _PER_CALL.size, 8))
 
-# Calls of at most this many tokens (and at most the kernel's slot limit) run as ONE launch
-# (templates/sm90/moe_decode.cuh) instead of expand -> GEMM1 -> GEMM2 -> finalize; never with
-# batch_invariant, whose bits must not depend on the batch. The value is measured: see
-# benchmarks/NOTES.md (one-launch decode layer).
-FUSED_MAX_TOKENS = 16
+# Which calls run as ONE launch (templates/sm90/moe_decode.cuh) instead of expand -> GEMM1 ->
+# GEMM2 -> finalize: at most FUSED_MAX_TOKENS tokens, at most the kernel's slot limit, experts of
+# at most FUSED_MAX_EXPERT_WEIGHTS weights per matrix (H * I), never batch_invariant (whose bits
+# must not depend on the batch). Measured on an H200 (benchmarks/NOTES.md, one-launch decode
+# layer): the one launch saves fixed costs (launches, expand, finalize, graph gaps) but streams
+# weights slower than the CUTLASS GEMMs, so it wins at one token on experts up to dsv4-flash's
+# size and loses beyond.
+FUSED_MAX_TOKENS = 1
+FUSED_MAX_EXPERT_WEIGHTS = 4096 * 2048
 FUSED_KERNEL = "moe_decode"
 
 
@@ -216,9 +220,11 @@ def _gemms(slots: int, E: int, batch_invariant: bool, fused: bool, ids_int64: bo
                   (expand, *names, "mc_finalize", "mc_layer (its CUDA graph launch)", fused_name))
 
 
-def uses_fused(num_tokens: int, top_k: int, batch_invariant: bool = False) -> bool:
+def uses_fused(num_tokens: int, top_k: int, hidden_size: int, intermediate_size: int,
+               batch_invariant: bool = False) -> bool:
     """Whether fused_moe runs a call of this size as the one-launch layer."""
     return (not batch_invariant and num_tokens <= FUSED_MAX_TOKENS
+            and hidden_size * intermediate_size <= FUSED_MAX_EXPERT_WEIGHTS
             and num_tokens * top_k <= fused_max_slots())
 
 
@@ -322,8 +328,8 @@ def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_l
                 del _calls[next(iter(_calls))]
             _calls[key] = entry
     block, address = entry
-    gemms = _gemms(M * k, experts.num_experts, batch_invariant, uses_fused(M, k, batch_invariant),
-                   topk_ids.dtype == torch.int64)
+    fused = uses_fused(M, k, experts.hidden_size, experts.intermediate_size, batch_invariant)
+    gemms = _gemms(M * k, experts.num_experts, batch_invariant, fused, topk_ids.dtype == torch.int64)
     hidden_ptr, out_ptr = hidden.data_ptr(), out.data_ptr()
     if (hidden_ptr | out_ptr) % 16:
         check_pointers(hidden, out, None)

@@ -16,17 +16,20 @@ def _library_or_skip():
 
 
 def test_which_calls_take_one_launch(monkeypatch):
-    """Small batches within the kernel's slot limit, never batch_invariant ones."""
+    """Small batches within the kernel's slot limit on small enough experts, never batch_invariant ones."""
     _library_or_skip()
     limit = ops.fused_max_slots()
     assert limit >= 128
+    H, I = 2880, 2880
     monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 16)
-    assert ops.uses_fused(1, 8) and ops.uses_fused(16, 8)
-    assert not ops.uses_fused(17, 1)
-    assert not ops.uses_fused(1, 8, batch_invariant=True)
+    monkeypatch.setattr(ops, "FUSED_MAX_EXPERT_WEIGHTS", H * I)
+    assert ops.uses_fused(1, 8, H, I) and ops.uses_fused(16, 8, H, I)
+    assert not ops.uses_fused(17, 1, H, I)
+    assert not ops.uses_fused(1, 8, H, I + 32)
+    assert not ops.uses_fused(1, 8, H, I, batch_invariant=True)
     monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 1 << 20)
-    assert ops.uses_fused(limit, 1) and not ops.uses_fused(limit + 1, 1)
-    assert ops.uses_fused(limit // 8, 8) and not ops.uses_fused(limit // 8 + 1, 8)
+    assert ops.uses_fused(limit, 1, H, I) and not ops.uses_fused(limit + 1, 1, H, I)
+    assert ops.uses_fused(limit // 8, 8, H, I) and not ops.uses_fused(limit // 8 + 1, 8, H, I)
 
 
 # ---- GPU ----
@@ -35,6 +38,7 @@ def test_which_calls_take_one_launch(monkeypatch):
 def fused(monkeypatch):
     """Every call within the slot limit takes the one-launch layer."""
     monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 1 << 20)
+    monkeypatch.setattr(ops, "FUSED_MAX_EXPERT_WEIGHTS", 1 << 62)
 
 
 @pytest.fixture
@@ -56,7 +60,7 @@ def assert_rows_close(out, ref):
 
 def run_fused(x, experts, weights, ids, **kw):
     M, k = ids.shape
-    assert ops.uses_fused(M, k), "the test meant the one-launch layer"
+    assert ops.uses_fused(M, k, experts.hidden_size, experts.intermediate_size), "the test meant the one-launch layer"
     out = torch.full((M, experts.hidden_size), float("nan"), dtype=torch.bfloat16, device=x.device)
     mc.fused_moe(x, experts, weights, ids, out=out, **kw)
     assert_rows_close(out, mc.reference.fused_moe_float(x, experts, weights, ids, **kw))
@@ -164,7 +168,7 @@ def test_close_to_the_four_launch_path(monkeypatch, M):
     monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 0)
     four = mc.fused_moe(x, experts, weights, ids)
     monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 16)
-    assert ops.uses_fused(M, k)
+    assert ops.uses_fused(M, k, H, I)
     one = mc.fused_moe(x, experts, weights, ids)
     assert relerr(one, four) < 2e-3
     assert_close(one, mc.reference.fused_moe_float(x, experts, weights, ids))
@@ -228,7 +232,7 @@ def test_launch_path_still_right_at_small_batches(launches):
     E, H, I, k = SHAPES["k-tails"]
     experts = random_experts(E, H, I, gen)
     for M in (1, 5):
-        assert not ops.uses_fused(M, k)
+        assert not ops.uses_fused(M, k, H, I)
         x = random_hidden(M, H, gen)
         weights, ids = random_routing(M, E, k, gen)
         assert_rows_close(mc.fused_moe(x, experts, weights, ids), mc.reference.fused_moe_float(x, experts, weights, ids))

@@ -28,7 +28,16 @@
 //     is split over four consumer warps and summed through shared memory in a fixed order.
 //  5. While GEMM1 runs, the producer prefetches its GEMM2 weight slabs into L2
 //     (cp.async.bulk.prefetch.L2), so GEMM2 starts from L2 after the barrier.
-//  6. Determinism: no atomics in any sum. The finalize is the finalize kernel's arithmetic (fp32
+//  6. Measured on an H200 (benchmarks/NOTES.md, 2026-12-01 one-launch section; A/B in one run,
+//     benchmarks/results/bench_20261201T011015Z.json): graph replay at M=1 qwen3 30.2 vs 32.2 us,
+//     gpt-oss 46.8 vs 48.9, dsv4-flash 57.0 vs 58.3, but dsv3 106 vs 86 and every shape slower from
+//     M=2 on: the launch saves 6-10 us of fixed cost, and then streams at 0.8-2.2 TB/s where the
+//     CUTLASS GEMMs reach 1.2-3.9. ncu (gpt-oss M=4): issue bound, 0.62 warp instructions per cycle
+//     per scheduler, ~190 per 1024 weights; with the consumers' work removed the ring streams
+//     3.8 TB/s (dsv3 M=16). ops.uses_fused takes this path where it measured faster. What it would
+//     take to win everywhere: the consumers on async RS-WGMMA with B from shared memory (the CUTLASS
+//     mainloop's two register sets), and K split across CTAs when items are under two waves.
+//  7. Determinism: no atomics in any sum. The finalize is the finalize kernel's arithmetic (fp32
 //     sum over the k choices in slot order, one multiply by routed_scaling_factor, one rounding);
 //     a token's bits depend on the batch only through the GEMMs' K-split order, which is fixed.
 //     (fused_moe(batch_invariant=True) never takes this path.)
@@ -362,7 +371,7 @@ __device__ void prefetch_gemm2(const Gemm& G, const Routing& r) {
 // weights against ~110 counted in the loop).
 template <bool Slow, int NB, int KB>
 __device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int lane, float (&acc)[4][2][4]) {
-  int const gq = lane / 4, cq = lane % 4;
+  int const gq = lane / 4;
   uint4 const w = *reinterpret_cast<uint4 const*>(st + u * 2048 + rb * 512 + lane * 16);
   uint32_t const words[4] = {w.x, w.y, w.z, w.w};
   uint32_t sc[2][2];
@@ -374,9 +383,21 @@ __device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int l
       sc[g][h] = Slow ? mc_e8m0_to_bf16x2(sb) : mc_scale_fast(sb);
     }
   }
-  // B: token n = lane / 4 of each n8 block, unmasked: a token row past the item holds stale
-  // bytes, which reach only its own output column, never stored.
-  uint8_t const* bp = st + kStageA + kStageS + (u * 64 + 2 * cq) * 2 + gq * kBRowBytes;
+  // B fragments, two k-blocks per ldmatrix.x4 (lane i addresses row i % 8 of matrix i / 8 =
+  // 8 k-values at k = 8 (i / 8)): token n = lane / 4 of each n8 block. Unmasked: a token row past
+  // the item holds stale bytes, which reach only its own output column, never stored.
+  uint32_t bf[NB][KB][2];
+  uint8_t const* brow = st + kStageA + kStageS + (lane % 8) * kBRowBytes + (u * 64 + (lane / 8) * 8) * 2;
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+    for (int kp = 0; kp < KB / 2; ++kp) {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(bf[nb][2 * kp][0]), "=r"(bf[nb][2 * kp][1]), "=r"(bf[nb][2 * kp + 1][0]),
+                     "=r"(bf[nb][2 * kp + 1][1])
+                   : "r"(smem_addr(brow + nb * 8 * kBRowBytes + kp * 64)));
+    }
+  }
 #pragma unroll
   for (int kb = 0; kb < KB; ++kb) {
     uint32_t f[4];
@@ -389,10 +410,7 @@ __device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int l
     uint32_t const frag[4] = {mc_mul_bf16x2(f[0], s0), mc_mul_bf16x2(f[1], s1), mc_mul_bf16x2(f[2], s0),
                               mc_mul_bf16x2(f[3], s1)};
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      uint8_t const* b = bp + kb * 32 + nb * 8 * kBRowBytes;
-      mma_bf16(acc[kb][nb], frag, *reinterpret_cast<uint32_t const*>(b), *reinterpret_cast<uint32_t const*>(b + 16));
-    }
+    for (int nb = 0; nb < NB; ++nb) mma_bf16(acc[kb][nb], frag, bf[nb][kb][0], bf[nb][kb][1]);
   }
 }
 
