@@ -1,0 +1,153 @@
+"""Token-tile waste of the grouped GEMMs under uniform and skewed routing, simulated on the CPU
+(issue 8 item 1): how much MMA work the per-expert token tiles pad, and how often an expert's
+weights are streamed.
+
+usage: python -m benchmarks.tile_waste [--ms 1,4,16,...] [--configs a,b] [--seeds 5] [--out-dir DIR]
+
+For every shape of bench_moe.CONFIGS, every M and three routings, --seeds batches are drawn and
+the rows per expert r_e counted:
+- "uniform": bench_moe's routing, the top k of uniform scores (k distinct experts per token);
+- "dirichlet": expert popularity p ~ Dirichlet(DIRICHLET_ALPHA) per batch, then k distinct
+  experts per token drawn without replacement with probability proportional to p;
+- "zipf": p_e proportional to 1 / rank^ZIPF_EXPONENT over a random order of the experts, then
+  the same draw.
+A scheme gives expert e tiles that cover padded_e >= r_e rows. Per scheme the record holds
+waste = sum padded_e / sum r_e (padded MMA work over useful work) and re-stream = tiles over
+active experts (how many times each active expert's weights are streamed; 1 is ideal). Schemes:
+- "pick": one TileN for all experts, the one moe_cutlass._gemm.pick_config takes for M * k rows;
+- "rem128": full 128-row tiles, then the remainder in one tile rounded up to a multiple of 32;
+- "oracle": per expert the built TileN (TILES) with the fewest padded rows, ties to the larger.
+Both GEMMs see the same r_e and pick_config gives them the same TileN, so one number covers both.
+Values are means over the seeds. Writes a "tile_waste" record (benchmarks/record.py), one row
+per (config, M, routing).
+"""
+import argparse
+import re
+import time
+
+import torch
+
+from benchmarks.bench_moe import CONFIGS, TOKENS
+from benchmarks.record import record_main
+from moe_cutlass import _gemm
+
+ROUTINGS = ("uniform", "dirichlet", "zipf")
+TILES = (8, 16, 32, 64, 128)  # the TileN of the built GEMM configs
+REM_TILE, REM_QUANTUM = 128, 32
+DIRICHLET_ALPHA = 0.3
+ZIPF_EXPONENT = 1.0
+
+
+def route(kind, M, E, k, gen):
+    """int64 [M, k] expert ids, k distinct per token, under routing `kind`."""
+    if kind == "uniform":
+        return torch.rand(M, E, generator=gen).topk(k, dim=1).indices
+    if kind == "dirichlet":
+        # torch's Gamma sampler takes no generator: draw from the global RNG seeded from `gen`,
+        # inside fork_rng so that the caller's global RNG is left as it was.
+        seed = int(torch.randint(0, 1 << 62, (), generator=gen))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            p = torch.distributions.Dirichlet(torch.full((E,), DIRICHLET_ALPHA, dtype=torch.float64)).sample()
+    elif kind == "zipf":
+        rank = torch.randperm(E, generator=gen).to(torch.float64) + 1
+        p = rank ** -ZIPF_EXPONENT
+    else:
+        raise ValueError(f"unknown routing {kind!r}; known: {ROUTINGS}")
+    return torch.multinomial(p.expand(M, E), k, replacement=False, generator=gen)
+
+
+def rows_per_expert(ids, E):
+    return torch.bincount(ids.flatten(), minlength=E)
+
+
+def tile_n(config):
+    """TileN of a config name such as "moe_gemm1_m128n32k128_coop"."""
+    return int(re.search(r"n(\d+)k", config).group(1))
+
+
+def one_tile(rows, n):
+    """(padded rows, tiles) per expert with TileN n for all."""
+    tiles = (rows + n - 1) // n
+    return tiles * n, tiles
+
+
+def rem128(rows):
+    """(padded rows, tiles) per expert with full REM_TILE tiles and the rest rounded up to REM_QUANTUM."""
+    rest = rows % REM_TILE
+    padded = rows - rest + (rest + REM_QUANTUM - 1) // REM_QUANTUM * REM_QUANTUM
+    return padded, (rows + REM_TILE - 1) // REM_TILE
+
+
+def oracle(rows):
+    """(padded rows, tiles) per expert with its best TILES entry: fewest padded rows, ties to the
+    larger tile (fewer weight re-streams)."""
+    padded, tiles = zip(*(one_tile(rows, n) for n in TILES))
+    padded, tiles = torch.stack(padded), torch.stack(tiles)
+    # Larger tiles come last in TILES: on a tie, the flipped argmin finds the last, largest, one.
+    best = padded.size(0) - 1 - padded.flip(0).argmin(dim=0)
+    return padded.gather(0, best[None])[0], tiles.gather(0, best[None])[0]
+
+
+def factors(rows, scheme):
+    """(waste, re-stream) of one batch's rows per expert under (padded, tiles) = scheme(rows)."""
+    padded, tiles = scheme(rows)
+    active = int((rows > 0).sum())
+    return int(padded.sum()) / int(rows.sum()), int(tiles.sum()) / active
+
+
+def measure(name, M, routing, seeds):
+    E, _, _, k = CONFIGS[name]
+    picked = tile_n(_gemm.pick_config(1, M * k, E))
+    schemes = {"pick": lambda rows: one_tile(rows, picked), "rem128": rem128, "oracle": oracle}
+    sums = {}
+    for seed in range(seeds):
+        rows = rows_per_expert(route(routing, M, E, k, torch.Generator().manual_seed(seed)), E)
+        values = {"rows_max": int(rows.max()), "active": int((rows > 0).sum())}
+        for scheme, fn in schemes.items():
+            values[f"{scheme}_waste"], values[f"{scheme}_restream"] = factors(rows, fn)
+        for key, value in values.items():
+            sums[key] = sums.get(key, 0) + value
+    return {"config": name, "M": M, "routing": routing, "E": E, "top_k": k, "rows_mean": M * k / E,
+            "pick_tile_n": picked, **{key: round(value / seeds, 4) for key, value in sums.items()}}
+
+
+def run(args):
+    started = time.monotonic()
+    rows = []
+    for name in args.configs:
+        for M in args.ms:
+            for routing in ROUTINGS:
+                row = measure(name, M, routing, args.seeds)
+                rows.append(row)
+                print(f"{name:14s} M={M:6d} {routing:9s} rows/expert {row['rows_mean']:7.1f} (max "
+                      f"{row['rows_max']:7.1f})  waste pick(n{row['pick_tile_n']}) {row['pick_waste']:.3f} "
+                      f"rem128 {row['rem128_waste']:.3f} oracle {row['oracle_waste']:.3f}  re-stream "
+                      f"{row['pick_restream']:.2f} / {row['rem128_restream']:.2f} / {row['oracle_restream']:.2f}",
+                      flush=True)
+    payload = {"device": "cpu (simulation)", "seeds": args.seeds, "tiles": list(TILES),
+               "dirichlet_alpha": DIRICHLET_ALPHA, "zipf_exponent": ZIPF_EXPONENT,
+               "seconds": round(time.monotonic() - started, 2), "rows": rows}
+    return payload, 0
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ms", type=lambda s: [int(m) for m in s.split(",")], default=TOKENS)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--out-dir", default=None, help="where the record goes (default benchmarks/results)")
+    args = parser.parse_args(argv)
+    args.configs = args.configs.split(",")
+    unknown = [n for n in args.configs if n not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; known: {list(CONFIGS)}")
+    return args
+
+
+def main(argv=None):
+    return record_main("tile_waste", parse_args, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
