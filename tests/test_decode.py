@@ -5,7 +5,9 @@ import torch
 
 import moe_cutlass as mc
 from moe_cutlass import _lib, ops
-from tests.helpers import MAX_RELERR, assert_close, random_experts, random_hidden, random_mxfp4, random_routing, relerr
+from tests.helpers import (assert_close, assert_rows_close, check_deterministic,
+                           check_dropped_ids_and_expert_map, check_graph_replay, random_experts,
+                           random_hidden, random_mxfp4, random_routing, relerr)
 
 
 def _library_or_skip():
@@ -45,17 +47,6 @@ def fused(monkeypatch):
 def launches(monkeypatch):
     """Every call takes the four-launch path."""
     monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 0)
-
-
-def assert_rows_close(out, ref):
-    """Each token's row within the tolerance (a whole-tensor norm would hide one wrong row)."""
-    assert torch.isfinite(out).all(), "output has NaN/Inf (unwritten rows?)"
-    for t in range(ref.shape[0]):
-        if ref[t].float().norm() == 0:
-            assert torch.equal(out[t].float(), ref[t].float()), f"row {t}: expected zeros"
-        else:
-            err = relerr(out[t], ref[t])
-            assert err < MAX_RELERR, f"row {t}: relative error {err:.3e}"
 
 
 def run_fused(x, experts, weights, ids, **kw):
@@ -138,18 +129,8 @@ def test_many_rows_on_one_expert(fused):
 
 @pytest.mark.gpu
 def test_dropped_ids_and_expert_map(fused):
-    gen = torch.Generator("cuda").manual_seed(7)
-    E = 8
-    experts = random_experts(E, 128, 64, gen)
-    weights, ids = random_routing(12, E, 4, gen)
-    ids[::3, 0] = -1
-    ids[1::3, 1] = E + 5
-    ids[2::5, 2] = 1 << 30
-    run_fused(random_hidden(12, 128, gen), experts, weights, ids)
-    expert_map = torch.full((16,), -1, dtype=torch.int32, device="cuda")
-    expert_map[1::2] = torch.arange(E, dtype=torch.int32, device="cuda")
-    g_weights, g_ids = random_routing(12, 16, 4, gen)
-    run_fused(random_hidden(12, 128, gen), experts, g_weights, g_ids.long(), expert_map=expert_map)
+    experts, gen = check_dropped_ids_and_expert_map(12, run_fused)
+    weights, _ = random_routing(5, 8, 4, gen)
     out = torch.full((5, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
     mc.fused_moe(random_hidden(5, 128, gen), experts, weights[:5],
                  torch.full((5, 4), -1, dtype=torch.int32, device="cuda"), out=out)
@@ -176,39 +157,12 @@ def test_close_to_the_four_launch_path(monkeypatch, M):
 
 @pytest.mark.gpu
 def test_deterministic(fused):
-    gen = torch.Generator("cuda").manual_seed(10)
-    experts = random_experts(16, 512, 256, gen)
-    x = random_hidden(16, 512, gen)
-    weights, ids = random_routing(16, 16, 6, gen)
-    first = mc.fused_moe(x, experts, weights, ids)
-    for _ in range(5):
-        assert torch.equal(mc.fused_moe(x, experts, weights, ids), first)
+    check_deterministic(16, repeats=5)
 
 
 @pytest.mark.gpu
 def test_cuda_graph_replay_with_new_inputs(fused):
-    gen = torch.Generator("cuda").manual_seed(11)
-    E, H, M, k = 32, 256, 8, 4
-    experts = random_experts(E, H, 128, gen)
-    x = random_hidden(M, H, gen)
-    weights, ids = random_routing(M, E, k, gen)
-    out = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        mc.fused_moe(x, experts, weights, ids, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        mc.fused_moe(x, experts, weights, ids, out=out)
-    for _ in range(3):
-        new_weights, new_ids = random_routing(M, E, k, gen)
-        x.copy_(random_hidden(M, H, gen))
-        weights.copy_(new_weights)
-        ids.copy_(new_ids)
-        out.fill_(float("nan"))
-        graph.replay()
-        assert_rows_close(out, mc.reference.fused_moe_float(x, experts, weights, ids))
+    check_graph_replay(8, 32, 256, 128, 4, torch.Generator("cuda").manual_seed(11), assert_rows_close)
 
 
 @pytest.mark.gpu

@@ -3,7 +3,9 @@ import pytest
 import torch
 
 import moe_cutlass as mc
-from tests.helpers import assert_close, random_experts, random_hidden, random_mxfp4, random_routing, run_checked
+from tests.helpers import (assert_close, check_deterministic, check_dropped_ids_and_expert_map,
+                           check_graph_replay, random_experts, random_hidden, random_mxfp4, random_routing,
+                           run_checked)
 
 pytestmark = pytest.mark.gpu
 
@@ -94,19 +96,7 @@ def test_most_experts_empty():
 
 
 def test_ids_out_of_range_and_expert_map():
-    gen = torch.Generator("cuda").manual_seed(7)
-    E = 8
-    experts = random_experts(E, 128, 64, gen)
-    weights, ids = random_routing(50, E, 4, gen)
-    ids[::3, 0] = -1
-    ids[1::3, 1] = E + 5
-    ids[2::7, 2] = 1 << 30
-    run_checked(random_hidden(50, 128, gen), experts, weights, ids)
-    # expert parallel: 16 global experts, this rank holds the odd ones
-    expert_map = torch.full((16,), -1, dtype=torch.int32, device="cuda")
-    expert_map[1::2] = torch.arange(E, dtype=torch.int32, device="cuda")
-    g_weights, g_ids = random_routing(50, 16, 4, gen)
-    run_checked(random_hidden(50, 128, gen), experts, g_weights, g_ids.long(), expert_map=expert_map)
+    check_dropped_ids_and_expert_map(50, run_checked)
 
 
 def test_all_ids_dropped_gives_zeros():
@@ -128,38 +118,11 @@ def test_zero_tokens():
 
 
 def test_deterministic():
-    gen = torch.Generator("cuda").manual_seed(10)
-    experts = random_experts(16, 512, 256, gen)
-    x = random_hidden(700, 512, gen)
-    weights, ids = random_routing(700, 16, 6, gen)
-    first = mc.fused_moe(x, experts, weights, ids)
-    for _ in range(3):
-        assert torch.equal(mc.fused_moe(x, experts, weights, ids), first)
+    check_deterministic(700, repeats=3)
 
 
 def test_cuda_graph_replay_with_new_inputs():
-    gen = torch.Generator("cuda").manual_seed(11)
-    E, H, M, k = 32, 256, 64, 4
-    experts = random_experts(E, H, 128, gen)
-    x = random_hidden(M, H, gen)
-    weights, ids = random_routing(M, E, k, gen)
-    out = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        mc.fused_moe(x, experts, weights, ids, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        mc.fused_moe(x, experts, weights, ids, out=out)
-    for _ in range(3):
-        new_weights, new_ids = random_routing(M, E, k, gen)
-        x.copy_(random_hidden(M, H, gen))
-        weights.copy_(new_weights)
-        ids.copy_(new_ids)
-        out.fill_(float("nan"))
-        graph.replay()
-        assert_close(out, mc.reference.fused_moe_float(x, experts, weights, ids))
+    check_graph_replay(64, 32, 256, 128, 4, torch.Generator("cuda").manual_seed(11))
 
 
 def test_forward_never_synchronizes():

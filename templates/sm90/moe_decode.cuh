@@ -521,22 +521,9 @@ __device__ void finalize(const Args& a, const Routing& r) {
     for (int j = 0; j < a.top_k; ++j) {
       int const row = r.slot_row[t * a.top_k + j];
       if (row < 0) continue;
-      uint4 const v = __ldcg(reinterpret_cast<const uint4*>(a.rows + int64_t(row) * a.H) + c);
-      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        float2 const f = __bfloat1622float2(p[q]);
-        acc[2 * q] += f.x;
-        acc[2 * q + 1] += f.y;
-      }
+      mc_add_bf16x8(acc, __ldcg(reinterpret_cast<const uint4*>(a.rows + int64_t(row) * a.H) + c));
     }
-    uint4 packed;
-    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      o[q] = __floats2bfloat162_rn(__fmul_rn(acc[2 * q], a.routed_scaling_factor),
-                                   __fmul_rn(acc[2 * q + 1], a.routed_scaling_factor));
-    }
+    uint4 const packed = mc_scaled_bf16x8(acc, a.routed_scaling_factor);
     *(reinterpret_cast<uint4*>(a.out + t * a.H) + c) = packed;
   }
 }

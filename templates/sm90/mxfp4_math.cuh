@@ -1,10 +1,12 @@
-// moe_cutlass: the MXFP4 and activation arithmetic every kernel of the layer shares: the e2m1 ->
-// bf16 converter of our prepared weight layout, the E8M0 scale multipliers, and the GEMM1
-// activation. Used by the CUTLASS mainloop/epilogue (moe_gemm_mainloop.hpp, moe_gemm_epilogue.hpp)
-// and the one-launch decode kernel (moe_decode.cuh), so both compute the same values.
+// moe_cutlass: the arithmetic the layer's kernels share: the e2m1 -> bf16 converter of our
+// prepared weight layout, the E8M0 scale multipliers, the GEMM1 activation and the finalize sum.
+// Used by the CUTLASS mainloop/epilogue (moe_gemm_mainloop.hpp, moe_gemm_epilogue.hpp), the
+// routing kernels (routing.cuh) and the one-launch decode kernel (moe_decode.cuh), so every path
+// computes the same values.
 #pragma once
 
 #include <cstdint>
+#include <cuda_bf16.h>
 
 namespace moe_cutlass {
 
@@ -58,6 +60,27 @@ __device__ __forceinline__ float mc_activation(float g, float u, int activation,
   u = u > limit ? limit : (u < -limit ? -limit : u);
   if (activation == 0) return g / (1.0f + __expf(-g)) * u;
   return g / (1.0f + __expf(-alpha * g)) * (u + 1.0f);
+}
+
+// Finalize, per 8 outputs: acc += one expert row's 8 bf16 values (called for j = 0..k-1 in
+// order), then one multiply by the scaling factor and one rounding each.
+__device__ __forceinline__ void mc_add_bf16x8(float (&acc)[8], uint4 v) {
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    float2 const f = __bfloat1622float2(p[q]);
+    acc[2 * q] += f.x;
+    acc[2 * q + 1] += f.y;
+  }
+}
+__device__ __forceinline__ uint4 mc_scaled_bf16x8(const float (&acc)[8], float scale) {
+  uint4 packed;
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    o[q] = __floats2bfloat162_rn(__fmul_rn(acc[2 * q], scale), __fmul_rn(acc[2 * q + 1], scale));
+  }
+  return packed;
 }
 
 }  // namespace moe_cutlass

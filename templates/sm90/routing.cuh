@@ -17,6 +17,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "mxfp4_math.cuh"
+
 namespace moe_cutlass {
 namespace routing {
 
@@ -459,23 +461,10 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(FinalizeArgs a) {
       }
 #pragma unroll
       for (int u = 0; u < kRowsPerTrip; ++u) {
-        if (row[u] < 0) continue;
-        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
-#pragma unroll
-        for (int q = 0; q < kBf16PerChunk / 2; ++q) {
-          const float2 f = __bfloat1622float2(pairs[q]);
-          acc[2 * q] += f.x;
-          acc[2 * q + 1] += f.y;
-        }
+        if (row[u] >= 0) mc_add_bf16x8(acc, v[u]);
       }
     }
-    uint4 packed;
-    __nv_bfloat162* out_pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-    for (int q = 0; q < kBf16PerChunk / 2; ++q) {
-      out_pairs[q] = __floats2bfloat162_rn(__fmul_rn(acc[2 * q], a.routed_scaling_factor),
-                                           __fmul_rn(acc[2 * q + 1], a.routed_scaling_factor));
-    }
+    uint4 const packed = mc_scaled_bf16x8(acc, a.routed_scaling_factor);
     *(reinterpret_cast<uint4*>(a.out + t * a.out_stride) + c) = packed;
   }
 }
