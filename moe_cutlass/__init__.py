@@ -5,7 +5,7 @@ Import works without a GPU: the MXFP4 helpers, `prepare_experts`, `select_expert
 float32 `reference` layer run on the CPU (and so does `MoELayer`, through the reference);
 `fused_moe` needs an SM90 GPU and the built library (`python -m codegen --arch sm90`).
 """
-from . import reference
+from . import reference, tuning
 from .experts import PreparedExperts, prepare_experts, stack_experts
 from .layer import fused_moe
 from .module import MoELayer
@@ -26,5 +26,6 @@ __all__ = [
     "reference",
     "select_experts",
     "stack_experts",
+    "tuning",
     "workspace_size",
 ]

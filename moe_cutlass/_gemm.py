@@ -5,6 +5,7 @@ the tests and benchmarks/bench_gemm.py call the kernels through it.
                      E, N, K, scale_max, activation, swiglu_alpha, swiglu_limit, workspace, workspace_bytes, stream)
 """
 
+import bisect
 import functools
 import math
 
@@ -48,6 +49,32 @@ def pick_config(kind: int, rows: int, num_experts: int, available=None, batch_in
     if available is not None and name not in available:
         name = f"moe_gemm{kind}_m128n32k128_coop"
     return name
+
+
+# Tile choices that moe_cutlass.tuning measured for a layer shape on a device, in force for fused_moe
+# (tuning.use / tuning.load): {(device name, E, H, I, top_k): (bounds, choices)}. A call of M tokens
+# takes choices[bisect(bounds, M)]: the tuned batch nearest to M on a log scale.
+_TUNED = {}
+
+
+def set_tuned(device_name: str, E: int, H: int, I: int, top_k: int, choices: dict) -> None:
+    """Installs {M: (gemm1 config, gemm2 config)} for one shape on devices named device_name."""
+    ms = sorted(choices)
+    bounds = [math.sqrt(a * b) for a, b in zip(ms, ms[1:])]   # log-scale midpoints
+    _TUNED[(device_name, E, H, I, top_k)] = (bounds, [tuple(choices[m]) for m in ms])
+
+
+def clear_tuned() -> None:
+    _TUNED.clear()
+
+
+def tuned_configs(device_name: str, E: int, H: int, I: int, top_k: int, num_tokens: int):
+    """(gemm1 config, gemm2 config) tuned for the batch nearest num_tokens, or None for an untuned shape."""
+    entry = _TUNED.get((device_name, E, H, I, top_k))
+    if entry is None:
+        return None
+    bounds, choices = entry
+    return choices[bisect.bisect(bounds, num_tokens)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,7 +21,7 @@ import torch
 
 from . import _gemm, _lib, layout
 from ._checks import ACTIVATIONS, INDEX_DTYPES, MAX_SLOTS, check_int, check_layer_options, check_slots, check_tensor
-from ._device import require_sm90
+from ._device import device_info, require_sm90
 from .experts import PreparedExperts
 from .workspace import GEMM_KINDS, Workspace, cached_workspace, out_of_memory, pieces
 
@@ -207,10 +207,12 @@ def fused_max_slots() -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _gemms(slots: int, E: int, batch_invariant: bool, fused: bool, ids_int64: bool) -> _Gemms:
-    # The GEMM tiles follow the rows per expert, which the host knows only on average (slots / E).
-    names = tuple(f"mc_sm90_{_gemm.pick_config(kind, slots, E, _gemm.configs_of(kind), batch_invariant)}"
-                  for kind in GEMM_KINDS)
+def _gemms(slots: int, E: int, batch_invariant: bool, fused: bool, ids_int64: bool, tuned=None) -> _Gemms:
+    # The GEMM tiles follow the rows per expert, which the host knows only on average (slots / E),
+    # unless moe_cutlass.tuning measured this shape (tuned: the two config names).
+    if tuned is None:
+        tuned = tuple(_gemm.pick_config(kind, slots, E, _gemm.configs_of(kind), batch_invariant) for kind in GEMM_KINDS)
+    names = tuple(f"mc_sm90_{config}" for config in tuned)
     lib = _lib.library()
     gemm1, gemm2 = (ctypes.cast(lib.function(n), ctypes.c_void_p).value for n in names)
     fused_name = f"mc_sm90_{FUSED_KERNEL}"
@@ -328,8 +330,13 @@ def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_l
                 del _calls[next(iter(_calls))]
             _calls[key] = entry
     block, address = entry
-    fused = uses_fused(M, k, experts.hidden_size, experts.intermediate_size, batch_invariant)
-    gemms = _gemms(M * k, experts.num_experts, batch_invariant, fused, topk_ids.dtype == torch.int64)
+    E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+    fused = uses_fused(M, k, H, I, batch_invariant)
+    # batch_invariant needs its own tiles (pick_config): a tuned table does not apply there.
+    tuned = None
+    if _gemm._TUNED and not batch_invariant:
+        tuned = _gemm.tuned_configs(device_info(index).name, E, H, I, k, M)
+    gemms = _gemms(M * k, E, batch_invariant, fused, topk_ids.dtype == torch.int64, tuned)
     hidden_ptr, out_ptr = hidden.data_ptr(), out.data_ptr()
     if (hidden_ptr | out_ptr) % 16:
         check_pointers(hidden, out, None)

@@ -1,0 +1,53 @@
+"""Autotuned tile tables for the four design shapes (moe_cutlass.tuning), beside the built-in rule.
+
+usage: python -m benchmarks.autotune_tables [--configs a,b] [--ms 1,4,...] [--reps 10] [--out-dir DIR]
+Writes a "tuning" record that is itself a tuning file: `moe_cutlass.tuning.load(record_path)`
+installs its tables. Each table also lists, per batch size, the tile pick_config would take and
+the time of every candidate, so the record shows where measuring beats the rule and by how much.
+"""
+import argparse
+
+import torch
+
+from benchmarks.bench_moe import CONFIGS, random_experts
+from benchmarks.record import record_main
+from moe_cutlass import _gemm, tuning
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--ms", default=",".join(map(str, tuning.DEFAULT_TOKENS + (16384,))))
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out-dir", default=None)
+    return parser.parse_args(argv)
+
+
+def run(args):
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    ms = [int(m) for m in args.ms.split(",")]
+    tables = []
+    for name in args.configs.split(","):
+        E, H, I, k = CONFIGS[name]
+        experts = random_experts(E, H, I, gen)
+        table = tuning.autotune(experts, k, ms, reps=args.reps, install=False)
+        table["config"] = name
+        table["rule"] = {M: _gemm.pick_config(1, M * k, E, _gemm.configs_of(1)) for M in ms}
+        for M in ms:
+            rule_us = table["us"][M][table["rule"][M]]
+            best_us = table["us"][M][table["choices"][M][0]]
+            print(f"{name:14s} M={M:6d} rule {table['rule'][M]:28s} {rule_us:9.1f} us  "
+                  f"tuned {table['choices'][M][0]:28s} {best_us:9.1f} us  ({rule_us / best_us:.3f}x)", flush=True)
+        tables.append(table)
+        del experts
+        torch.cuda.empty_cache()
+    return {"format": tuning.FORMAT, "tables": tables}, 0
+
+
+def main(argv=None):
+    return record_main("tuning", parse_args, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,160 @@
+"""Opt-in tile autotuning: time every built GEMM tile for one layer shape and keep the fastest per batch size.
+
+fused_moe picks its GEMM tiles by a rule measured on an H200 under uniform random routing
+(`_gemm.pick_config`, from the average rows per expert). A different GPU, a shape far from the
+measured ones, or a skewed routing can prefer another tile (benchmarks/NOTES.md: a tile sized for
+the mean re-streams the busy experts' weights). `autotune` measures instead:
+
+    table = moe_cutlass.tuning.autotune(experts, top_k=4, num_tokens=(1, 16, 256, 4096))
+    moe_cutlass.tuning.save("tiles.json", [table])     # once
+    moe_cutlass.tuning.load("tiles.json")               # at start-up: fused_moe now uses it
+
+A table is keyed by the device name and (E, H, I, top_k); a call of M tokens takes the choice of
+the tuned batch size nearest M on a log scale. Calls that take the one-launch layer (single tokens,
+ops.uses_fused) use no GEMM tile and are unaffected. Tuning runs the layer eagerly and synchronizes, so it
+refuses to run while a CUDA graph is being captured; calls with batch_invariant=True keep their own
+tiles. `clear()` returns to the built-in rule.
+"""
+import json
+from pathlib import Path
+
+import torch
+
+from . import _gemm
+from ._device import device_index, device_info
+from .layer import fused_moe
+
+DEFAULT_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+FORMAT = 1
+
+
+def candidates() -> list:
+    """(GEMM1 config, GEMM2 config) pairs of every token tile the built library holds for both GEMMs."""
+    gemm2 = set(_gemm.configs_of(2))
+    return [(c1, c1.replace("moe_gemm1_", "moe_gemm2_", 1)) for c1 in sorted(_gemm.configs_of(1))
+            if c1.replace("moe_gemm1_", "moe_gemm2_", 1) in gemm2]
+
+
+def _routing(M, E, k, gen, device):
+    """k distinct experts per token from uniform scores, softmax weights (the benchmarks' routing)."""
+    ids = torch.rand(M, E, device=device, generator=gen).topk(k, dim=1).indices.to(torch.int32)
+    return torch.rand(M, k, device=device, generator=gen).softmax(dim=1), ids
+
+
+def _time_us(fn, reps) -> float:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        fn(0)
+    start.record()
+    for i in range(reps):
+        fn(i)
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) * 1000.0 / reps
+
+
+def autotune(experts, top_k: int, num_tokens=DEFAULT_TOKENS, reps: int = 20, seed: int = 0, install: bool = True) -> dict:
+    """Times every candidate tile pair for each batch size in num_tokens on experts' GPU (each
+    repetition on a fresh random routing, so the weights do not sit in L2) and returns the table
+    {"device", "E", "H", "I", "top_k", "choices": {M: [gemm1, gemm2]}, "us": {M: {gemm1: us}}};
+    with install=True fused_moe uses it from now on."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("autotune: cannot run while a CUDA graph is being captured (it times eager calls "
+                           "and synchronizes); tune before capturing")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        raise ValueError(f"top_k: expected an int >= 1, got {top_k!r}")
+    ms = sorted({int(m) for m in num_tokens})
+    if not ms or ms[0] < 1:
+        raise ValueError(f"num_tokens: expected batch sizes >= 1, got {num_tokens!r}")
+    if not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"reps: expected an int >= 1, got {reps!r}")
+    device = experts.device
+    name = device_info(device_index(device)).name
+    E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    pairs = candidates()
+    choices, times = {}, {}
+    saved = _gemm._TUNED.get((name, E, H, I, top_k))
+    try:
+        for M in ms:
+            x = torch.randn(M, H, device=device, generator=gen).to(torch.bfloat16)
+            routings = [_routing(M, E, top_k, gen, device) for _ in range(reps)]
+            out = torch.empty(M, H, dtype=torch.bfloat16, device=device)
+            times[M] = {}
+            for pair in pairs:
+                _gemm.set_tuned(name, E, H, I, top_k, {M: pair})   # force this pair for the timing
+                times[M][pair[0]] = _time_us(lambda i: fused_moe(x, experts, *routings[i], out=out), reps)
+            best = min(pairs, key=lambda p: times[M][p[0]])
+            choices[M] = list(best)
+    finally:
+        _gemm._TUNED.pop((name, E, H, I, top_k), None)
+        if saved is not None:
+            _gemm._TUNED[(name, E, H, I, top_k)] = saved
+    table = {"device": name, "E": E, "H": H, "I": I, "top_k": top_k, "choices": choices, "us": times}
+    if install:
+        use(table)
+    return table
+
+
+def use(table: dict) -> None:
+    """Makes fused_moe take `table`'s tiles for its device name and shape (replacing an earlier table
+    of the same key)."""
+    _check_table(table, "table")
+    _gemm.set_tuned(table["device"], table["E"], table["H"], table["I"], table["top_k"],
+                    {int(m): tuple(pair) for m, pair in table["choices"].items()})
+
+
+def clear() -> None:
+    """Back to the built-in tile rule for every shape."""
+    _gemm.clear_tuned()
+
+
+def save(path, tables) -> None:
+    """Writes tables (from autotune) as JSON."""
+    tables = list(tables)
+    for i, table in enumerate(tables):
+        _check_table(table, f"tables[{i}]")
+    Path(path).write_text(json.dumps({"format": FORMAT, "tables": tables}, indent=1, sort_keys=True))
+
+
+def load(path, install: bool = True) -> list:
+    """Reads tables written by save (and with install=True uses them); a file that is not such a
+    table, or names a tile this library does not hold, is a ValueError naming the file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a moe_cutlass tuning file ({e})") from e
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("tables"), list):
+        raise ValueError(f"{path}: not a moe_cutlass tuning file of format {FORMAT} "
+                         f"(expected {{'format': {FORMAT}, 'tables': [...]}})")
+    for i, table in enumerate(data["tables"]):
+        _check_table(table, f"{path}: tables[{i}]")
+    if install:
+        for table in data["tables"]:
+            use(table)
+    return data["tables"]
+
+
+def _check_table(table, where) -> None:
+    keys = ("device", "E", "H", "I", "top_k", "choices")
+    if not isinstance(table, dict) or any(k not in table for k in keys):
+        raise ValueError(f"{where}: expected a dict with keys {', '.join(keys)}")
+    if not isinstance(table["device"], str) or any(
+            not isinstance(table[k], int) or isinstance(table[k], bool) or table[k] < 1 for k in keys[1:5]):
+        raise ValueError(f"{where}: device must be a str and E, H, I, top_k ints >= 1")
+    choices = table["choices"]
+    if not isinstance(choices, dict) or not choices:
+        raise ValueError(f"{where}: choices must map batch sizes to [gemm1 config, gemm2 config]")
+    built = {1: set(_gemm.configs_of(1)), 2: set(_gemm.configs_of(2))}
+    for m, pair in choices.items():
+        try:
+            ok = int(m) >= 1 and str(int(m)) == str(m).strip()
+        except (TypeError, ValueError):
+            ok = False
+        if not ok or not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError(f"{where}: choices[{m!r}] must be a batch size >= 1 -> [gemm1 config, gemm2 config]")
+        for kind, config in zip((1, 2), pair):
+            if config not in built[kind]:
+                raise ValueError(f"{where}: choices[{m!r}] names {config!r}, not a GEMM{kind} config of the built "
+                                 f"library ({', '.join(sorted(built[kind]))})")

@@ -1,0 +1,138 @@
+"""moe_cutlass.tuning: the tuned-tile table (lookup, files) on the CPU, autotune on the GPU."""
+import json
+
+import pytest
+import torch
+
+import moe_cutlass as mc
+from moe_cutlass import _gemm, tuning
+from moe_cutlass._device import device_info
+from tests.helpers import assert_close, random_experts, random_hidden, random_routing
+
+FAKE = {1: ("moe_gemm1_m128n8k256_coop", "moe_gemm1_m128n128k128_coop"),
+        2: ("moe_gemm2_m128n8k256_coop", "moe_gemm2_m128n128k128_coop")}
+
+
+@pytest.fixture(autouse=True)
+def no_tables():
+    tuning.clear()
+    yield
+    tuning.clear()
+
+
+@pytest.fixture
+def fake_library(monkeypatch):
+    """Two built tiles, without a built library."""
+    monkeypatch.setattr(_gemm, "configs_of", lambda kind: FAKE[kind])
+
+
+def pair(tile):
+    return [f"moe_gemm1_m128{tile}_coop", f"moe_gemm2_m128{tile}_coop"]
+
+
+def table(choices, device="GPU X", shape=(8, 256, 128, 2)):
+    E, H, I, k = shape
+    return {"device": device, "E": E, "H": H, "I": I, "top_k": k, "choices": choices}
+
+
+def test_a_call_takes_the_tuned_batch_nearest_on_a_log_scale(fake_library):
+    tuning.use(table({1: pair("n8k256"), 16: pair("n128k128"), 256: pair("n8k256")}))
+    look = lambda M: _gemm.tuned_configs("GPU X", 8, 256, 128, 2, M)  # noqa: E731
+    assert look(1) == look(3) == tuple(pair("n8k256"))          # below sqrt(1 * 16) = 4
+    assert look(4) == look(63) == tuple(pair("n128k128"))       # [4, sqrt(16 * 256) = 64)
+    assert look(64) == look(10 ** 6) == tuple(pair("n8k256"))
+    assert _gemm.tuned_configs("GPU Y", 8, 256, 128, 2, 16) is None      # another device
+    assert _gemm.tuned_configs("GPU X", 8, 256, 128, 4, 16) is None      # another top_k
+    tuning.clear()
+    assert look(16) is None
+
+
+def test_save_and_load_round_trip(fake_library, tmp_path):
+    path = tmp_path / "tiles.json"
+    tuning.save(path, [table({4: pair("n8k256"), 512: pair("n128k128")}),
+                       table({1: pair("n128k128")}, shape=(16, 512, 256, 4))])
+    assert json.loads(path.read_text())["format"] == tuning.FORMAT
+    loaded = tuning.load(path)
+    assert len(loaded) == 2
+    assert _gemm.tuned_configs("GPU X", 8, 256, 128, 2, 600) == tuple(pair("n128k128"))
+    assert _gemm.tuned_configs("GPU X", 16, 512, 256, 4, 9) == tuple(pair("n128k128"))
+    tuning.clear()
+    tuning.load(path, install=False)
+    assert _gemm.tuned_configs("GPU X", 8, 256, 128, 2, 600) is None
+
+
+@pytest.mark.parametrize("content, message", [
+    ("not json", "not a moe_cutlass tuning file"),
+    ('{"format": 99, "tables": []}', "format 1"),
+    ('{"format": 1, "tables": [{"device": "GPU X"}]}', "expected a dict with keys"),
+    ('{"format": 1, "tables": [{"device": "GPU X", "E": 8, "H": 256, "I": 128, "top_k": 0, "choices": {"1": []}}]}',
+     "ints >= 1"),
+    ('{"format": 1, "tables": [{"device": "GPU X", "E": 8, "H": 256, "I": 128, "top_k": 2, "choices": {"x": []}}]}',
+     "batch size >= 1"),
+    ('{"format": 1, "tables": [{"device": "GPU X", "E": 8, "H": 256, "I": 128, "top_k": 2, '
+     '"choices": {"4": ["moe_gemm1_m128n16k256_coop", "moe_gemm2_m128n8k256_coop"]}}]}', "not a GEMM1 config"),
+])
+def test_a_bad_file_is_a_clear_error(fake_library, tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message) as info:
+        tuning.load(path)
+    assert str(path) in str(info.value)
+    assert _gemm._TUNED == {}
+
+
+def test_missing_file_names_it(tmp_path):
+    with pytest.raises(ValueError, match="nope.json"):
+        tuning.load(tmp_path / "nope.json")
+
+
+# ---- GPU ----
+
+@pytest.mark.gpu
+def test_autotune_picks_a_measured_tile_per_batch_and_the_layer_uses_it():
+    gen = torch.Generator("cuda").manual_seed(3)
+    E, H, I, k = 16, 256, 128, 4
+    experts = random_experts(E, H, I, gen)
+    result = tuning.autotune(experts, k, num_tokens=(4, 256), reps=3)
+    pairs = tuning.candidates()
+    assert set(result["choices"]) == {4, 256}
+    for M, choice in result["choices"].items():
+        assert tuple(choice) in pairs
+        assert set(result["us"][M]) == {p[0] for p in pairs}
+        assert min(result["us"][M].values()) == result["us"][M][choice[0]]
+        assert _gemm.tuned_configs(result["device"], E, H, I, k, M) == tuple(choice)
+    for M in (4, 300):
+        x = random_hidden(M, H, gen)
+        weights, ids = random_routing(M, E, k, gen)
+        assert_close(mc.fused_moe(x, experts, weights, ids), mc.reference.fused_moe_float(x, experts, weights, ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["n8k256", "n128k128"])
+def test_a_forced_tile_is_used_and_right(tile, monkeypatch):
+    """A table naming a tile far from the rule's pick (the 8-token tile at 1000 tokens, the 128-token
+    one at 3) is what the layer launches, and still gives the reference's result."""
+    gen = torch.Generator("cuda").manual_seed(4)
+    E, H, I, k = 16, 256, 128, 4
+    experts = random_experts(E, H, I, gen)
+    name = device_info(torch.cuda.current_device()).name
+    tuning.use(table({3: pair(tile), 1000: pair(tile)}, device=name, shape=(E, H, I, k)))
+    looked_up = []
+    lookup = _gemm.tuned_configs
+    monkeypatch.setattr(_gemm, "tuned_configs", lambda *a: looked_up.append(lookup(*a)) or looked_up[-1])
+    for M in (3, 1000):
+        looked_up.clear()
+        x = random_hidden(M, H, gen)
+        weights, ids = random_routing(M, E, k, gen)
+        assert_close(mc.fused_moe(x, experts, weights, ids), mc.reference.fused_moe_float(x, experts, weights, ids))
+        assert looked_up == [tuple(pair(tile))]
+
+
+@pytest.mark.gpu
+def test_autotune_refuses_inside_a_graph_capture():
+    gen = torch.Generator("cuda").manual_seed(5)
+    experts = random_experts(8, 128, 64, gen)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="captured"):
+        with torch.cuda.graph(graph):
+            tuning.autotune(experts, 2, num_tokens=(4,), reps=1)
