@@ -132,7 +132,12 @@ def test_a_forced_tile_is_used_and_right(tile, monkeypatch):
 def test_autotune_refuses_inside_a_graph_capture():
     gen = torch.Generator("cuda").manual_seed(5)
     experts = random_experts(8, 128, 64, gen)
-    graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="captured"):
-        with torch.cuda.graph(graph):
-            tuning.autotune(experts, 2, num_tokens=(4,), reps=1)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        graph.capture_begin()
+        try:
+            with pytest.raises(RuntimeError, match="cannot run while a CUDA graph is being captured"):
+                tuning.autotune(experts, 2, num_tokens=(4,), reps=1)
+        finally:
+            graph.capture_end()  # the capture ends here whatever happened, leaving no stream capturing
+    assert not torch.cuda.is_current_stream_capturing()
