@@ -141,3 +141,17 @@ def test_autotune_refuses_inside_a_graph_capture():
         finally:
             graph.capture_end()  # the capture ends here whatever happened, leaving no stream capturing
     assert not torch.cuda.is_current_stream_capturing()
+
+
+def test_committed_tuning_records_load_against_the_kernel_table(monkeypatch):
+    """Every tuning record under benchmarks/results is a tuning file naming configs of the kernel
+    table (codegen/configs.py), checked without a built library."""
+    from pathlib import Path
+
+    from codegen.configs import KERNELS
+    names = [k.name for k in KERNELS["sm90"]]
+    monkeypatch.setattr(_gemm, "configs_of", lambda kind: tuple(n for n in names if n.startswith(f"moe_gemm{kind}_")))
+    records = sorted((Path(__file__).resolve().parent.parent / "benchmarks" / "results").glob("tuning_*.json"))
+    assert records
+    for path in records:
+        assert tuning.load(path, install=False)
