@@ -29,14 +29,15 @@
 //  5. While GEMM1 runs, the producer prefetches its GEMM2 weight slabs into L2
 //     (cp.async.bulk.prefetch.L2), so GEMM2 starts from L2 after the barrier.
 //  6. Measured on an H200 (benchmarks/NOTES.md, 2026-12-01 one-launch section; A/B in one run,
-//     benchmarks/results/bench_20261201T011015Z.json): graph replay at M=1 qwen3 30.2 vs 32.2 us,
-//     gpt-oss 46.8 vs 48.9, dsv4-flash 57.0 vs 58.3, but dsv3 106 vs 86 and every shape slower from
-//     M=2 on: the launch saves 6-10 us of fixed cost, and then streams at 0.8-2.2 TB/s where the
-//     CUTLASS GEMMs reach 1.2-3.9. ncu (gpt-oss M=4): issue bound, 0.62 warp instructions per cycle
-//     per scheduler, ~190 per 1024 weights; with the consumers' work removed the ring streams
-//     3.8 TB/s (dsv3 M=16). ops.uses_fused takes this path where it measured faster. What it would
-//     take to win everywhere: the consumers on async RS-WGMMA with B from shared memory (the CUTLASS
-//     mainloop's two register sets), and K split across CTAs when items are under two waves.
+//     benchmarks/results/bench_20261201T011624Z.json): graph replay at M=1 qwen3 29.9 vs 32.0 us,
+//     gpt-oss 46.7 vs 49.8, dsv4-flash 57.3 vs 61.1, but dsv3 105.5 vs 87.9 and every shape slower
+//     from M=2 on: the launch saves 6-10 us of fixed cost, then streams weights at 0.8-1.6 TB/s at
+//     M=1 (profile_20261201T011631Z) where the CUTLASS GEMMs reach 1.6-3.9 at M=4-64. ncu (gpt-oss
+//     M=4): issue bound, 0.62 warp instructions per cycle per scheduler, ~190 per 1024 weights; with
+//     the consumers' work removed the ring streams 3.8 TB/s (dsv3 M=16). ops.uses_fused takes this
+//     path where it measured faster. What it would take to win everywhere: the consumers on async
+//     RS-WGMMA with B from shared memory (the CUTLASS mainloop's two register sets), and K split
+//     across CTAs when items are under two waves.
 //  7. Determinism: no atomics in any sum. The finalize is the finalize kernel's arithmetic (fp32
 //     sum over the k choices in slot order, one multiply by routed_scaling_factor, one rounding);
 //     a token's bits depend on the batch only through the GEMMs' K-split order, which is fixed.
@@ -127,6 +128,7 @@ struct Smem {
   alignas(8) uint64_t empty[kStages];
   Routing r;
 };
+static_assert(sizeof(Smem) <= 227 * 1024, "one CTA per SM: the ring must fit the SM's 227 KB of shared memory");
 
 // ---- PTX helpers -----------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
