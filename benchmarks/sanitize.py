@@ -45,7 +45,7 @@ def workload():
     import torch
 
     import moe_cutlass as mc
-    from moe_cutlass import _gemm, _lib
+    from moe_cutlass import _gemm, _lib, ops
     from tests.helpers import random_experts, random_hidden, random_routing
 
     gen = torch.Generator("cuda").manual_seed(0)
@@ -65,6 +65,18 @@ def workload():
     weights, ids = random_routing(M, expert_map.numel(), k, gen)
     ids[::5, 2] = -7
     mc.fused_moe(random_hidden(M, H, gen), experts, weights, ids.long(), expert_map=expert_map)
+
+    # The one-launch layer (templates/sm90/moe_decode.cuh): one token (the default path), then 20
+    # rows on one expert (two token groups, two n8 blocks) with the threshold lifted.
+    weights, ids = random_routing(1, E, k, gen)
+    mc.fused_moe(random_hidden(1, H, gen), experts, weights, ids)
+    fused_max = ops.FUSED_MAX_TOKENS
+    ops.FUSED_MAX_TOKENS = 64
+    try:
+        weights, ids = random_routing(20, E, 1, gen)
+        mc.fused_moe(random_hidden(20, H, gen), experts, weights, torch.full_like(ids, 2))
+    finally:
+        ops.FUSED_MAX_TOKENS = fused_max
 
     # One launch of each GEMM config; experts of 5, 0 and 11 rows, GEMM1's rows feed GEMM2.
     experts = random_experts(3, H, I, gen, bias=True)
