@@ -1,11 +1,13 @@
 """Layer A/B of the GEMM token tiles under real (random top-k) routing: the data behind
-moe_cutlass/_gemm.pick_config's thresholds.
+moe_cutlass/_gemm.pick_config's thresholds and _gemm.plan's split into per-expert parts.
 
-usage: python -m benchmarks.ab_tiles [--configs a,b] [--ms 16,64,...] [--tiles n8k256,...] [--reps 30]
+usage: python -m benchmarks.ab_tiles [--configs a,b] [--ms 16,64,...] [--tiles n8k256,...,plan] [--reps 30]
 
-For every shape and M, the whole layer runs once per candidate tile (the same tile for both
-GEMMs), as CUDA-graph replay with the L2 flushed, next to the tile pick_config chooses. The record
-("kind": "bench") holds one row per (shape, M, tile) with "tile" and "picked".
+For every shape and M, the whole layer runs once per candidate, as CUDA-graph replay with the L2
+flushed: a tile (one launch per GEMM over every row, the same tile for both GEMMs), or "plan",
+what fused_moe runs (_gemm.plan: one tile, or parts whose tile the device picks per expert). The
+record ("kind": "bench") holds one row per (shape, M, candidate) with "tile" (for "plan", the
+plan's tiles, e.g. "plan:n128+n64+n32") and "picked" (the candidate fused_moe runs).
 """
 import argparse
 from unittest import mock
@@ -17,7 +19,13 @@ from benchmarks.bench_moe import CONFIGS, Timer, floor_us, graph_of, measure_flo
 from benchmarks.record import write_record
 from moe_cutlass import _gemm, ops
 
-TILES = ("n8k256", "n16k256", "n32k128", "n64k128", "n128k128")
+TILES = ("n8k256", "n16k256", "n32k128", "n64k128", "n128k128", "plan")
+
+
+def label(plan) -> str:
+    if len(plan.parts) == 1 and plan.chunk == _gemm.ALL_ROWS[0]:
+        return plan.parts[0][0].split("_")[2][4:]
+    return "plan:" + "+".join(f"n{_gemm.tile_n(part[0])}" for part in plan.parts)
 
 
 def time_tiles(name, tokens, tiles, timer, floors, gen):
@@ -28,20 +36,20 @@ def time_tiles(name, tokens, tiles, timer, floors, gen):
         x, weights, ids = random_batch(M, E, H, k, gen)
         out = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
         floor = floor_us(M, E, H, I, k, ids, floors)
-        picked = _gemm.pick_config(1, M * k, E).split("_")[2][4:]
+        plan = _gemm.plan(M * k, E, _gemm.configs_of(1))
+        picked = label(plan)
         for tile in tiles:
-            def forced(kind, rows_, num_experts, available=None, batch_invariant=False, tile=tile):
-                return f"moe_gemm{kind}_m128{tile}_coop"
-
-            ops._gemms.cache_clear()  # the layer caches its pick per batch size
-            with mock.patch.object(_gemm, "pick_config", forced):
+            forced = plan if tile == "plan" else _gemm.single(f"moe_gemm1_m128{tile}_coop")
+            tile = label(forced) if tile == "plan" else tile
+            ops._gemms.cache_clear()  # the layer caches its plan per batch size
+            with mock.patch.object(_gemm, "plan", lambda *a, forced=forced, **kw: forced):
                 graph = graph_of(lambda: mc.fused_moe(x, experts, weights, ids, out=out))
             ops._gemms.cache_clear()
             us = timer.median_us(graph.replay)
             del graph
             rows.append({"impl": "moe_cutlass", "config": name, "M": M, "mode": "graph", "tile": tile,
                          "picked": tile == picked, "us": us, "floor_us": floor, "x_floor": us / floor})
-            print(f"{name:14s} M={M:6d} {tile:9s}{'*' if tile == picked else ' '} {us:9.1f} us  x{us / floor:5.2f}",
+            print(f"{name:14s} M={M:6d} {tile:18s}{'*' if tile == picked else ' '} {us:9.1f} us  x{us / floor:5.2f}",
                   flush=True)
     return rows
 

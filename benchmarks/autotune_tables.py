@@ -2,8 +2,9 @@
 
 usage: python -m benchmarks.autotune_tables [--configs a,b] [--ms 1,4,...] [--reps 10] [--out-dir DIR]
 Writes a "tuning" record that is itself a tuning file: `moe_cutlass.tuning.load(record_path)`
-installs its tables. Each table also lists, per batch size, the tile pick_config would take and
-the time of every candidate, so the record shows where measuring beats the rule and by how much.
+installs its tables. Each table also lists the time of every candidate per batch size, the
+built-in rule (_gemm.plan, the candidate "plan") among them, and in "rule" the launches the rule
+makes, so the record shows where measuring beats the rule and by how much.
 """
 import argparse
 
@@ -33,11 +34,11 @@ def run(args):
         experts = random_experts(E, H, I, gen)
         table = tuning.autotune(experts, k, ms, reps=args.reps, install=False)
         table["config"] = name
-        table["rule"] = {M: _gemm.pick_config(1, M * k, E, _gemm.configs_of(1)) for M in ms}
+        table["rule"] = {M: [part[0] for part in _gemm.plan(M * k, E, _gemm.configs_of(1)).parts] for M in ms}
         for M in ms:
-            rule_us = table["us"][M][table["rule"][M]]
+            rule_us = table["us"][M][_gemm.PLAN]
             best_us = table["us"][M][table["choices"][M][0]]
-            print(f"{name:14s} M={M:6d} rule {table['rule'][M]:28s} {rule_us:9.1f} us  "
+            print(f"{name:14s} M={M:6d} rule {'+'.join(table['rule'][M]):28s} {rule_us:9.1f} us  "
                   f"tuned {table['choices'][M][0]:28s} {best_us:9.1f} us  ({rule_us / best_us:.3f}x)", flush=True)
         tables.append(table)
         del experts

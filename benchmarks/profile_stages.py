@@ -2,8 +2,10 @@
 
 usage: python -m benchmarks.profile_stages [--configs a,b] [--ms 1,64,4096] [--reps 20] [--out-dir DIR]
 Writes a "profile" record: per config and M, the mean device microseconds of each kernel (the GEMMs
-named GEMM1 / GEMM2, the one-launch layer of small batches LAYER), and each GEMM's achieved bandwidth: the MXFP4 bytes of the active experts'
-weights (4.25 bits per weight) over its time ("gemm_tbps"), the number to hold against the copy rate.
+named GEMM1 / GEMM2, the launches of a split plan summed, the one-launch layer of small batches LAYER), and each GEMM's achieved bandwidth: the MXFP4 bytes of the active experts'
+weights (4.25 bits per weight) over its time ("gemm_tbps"), the number to hold against the copy rate,
+and its achieved rate in useful FLOPs ("gemm_tflops": 2 * M * k * N * K over its time; padded tile
+work not counted) beside the dense BF16 matmul rate measured in the same run ("bf16_tflops").
 """
 import argparse
 from collections import defaultdict
@@ -12,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import moe_cutlass as mc
-from benchmarks.bench_moe import CONFIGS, random_batch, random_experts
+from benchmarks.bench_moe import CONFIGS, Timer, measure_floors, random_batch, random_experts
 from benchmarks.record import write_record
 
 
@@ -47,6 +49,13 @@ def gemm_tbps(times, ids, E, H, I):
     return {g: active * b / (times[g] * 1e-6) / 1e12 for g, b in weight_bytes.items() if times.get(g)}
 
 
+def gemm_tflops(times, ids, E, H, I):
+    """Useful TFLOP/s of each GEMM: 2 * (routed rows) * N * K over its device time."""
+    rows = int(((ids >= 0) & (ids < E)).sum())
+    flops = {"GEMM1": 2 * rows * 2 * I * H, "GEMM2": 2 * rows * H * I}
+    return {g: f / (times[g] * 1e-6) / 1e12 for g, f in flops.items() if times.get(g)}
+
+
 def profile_config(name, tokens, reps, gen):
     """Rows of one shape, its experts freed on return."""
     E, H, I, k = CONFIGS[name]
@@ -56,9 +65,11 @@ def profile_config(name, tokens, reps, gen):
         x, weights, ids = random_batch(M, E, H, k, gen)
         times = kernel_times(lambda: mc.fused_moe(x, experts, weights, ids), reps)
         tbps = gemm_tbps(times, ids, E, H, I)
-        rows.append({"config": name, "M": M, "kernels_us": times, "gemm_tbps": tbps})
+        tflops = gemm_tflops(times, ids, E, H, I)
+        rows.append({"config": name, "M": M, "kernels_us": times, "gemm_tbps": tbps, "gemm_tflops": tflops})
         print(f"{name} M={M}: total {sum(times.values()):.1f} us, GEMM TB/s "
-              + ", ".join(f"{g} {v:.2f}" for g, v in tbps.items()))
+              + ", ".join(f"{g} {v:.2f}" for g, v in tbps.items()) + ", TFLOP/s "
+              + ", ".join(f"{g} {v:.0f}" for g, v in tflops.items()))
         for kernel, us in times.items():
             print(f"    {us:9.1f} us  {kernel}")
     return rows
@@ -71,13 +82,18 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
+    floors = measure_floors(Timer(20))
+    torch.cuda.empty_cache()
+    print(f"dense BF16 matmul {floors['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s, copy "
+          f"{floors['hbm_bytes_per_s'] / 1e12:.2f} TB/s")
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
     rows = []
     for name in args.configs.split(","):
         rows += profile_config(name, [int(m) for m in args.ms.split(",")], args.reps, gen)
         torch.cuda.empty_cache()  # the next shape's weights get this one's memory
-    write_record("profile", {"rows": rows}, args.out_dir)
+    write_record("profile", {"rows": rows, "bf16_tflops": floors["bf16_flops_per_s"] / 1e12,
+                             "copy_tbps": floors["hbm_bytes_per_s"] / 1e12}, args.out_dir)
 
 
 if __name__ == "__main__":

@@ -75,9 +75,9 @@ LAYERS = {
 
 
 def token_pool(E, top_k, largest=BASE_TOKENS[-1]):
-    """Mixed M up to `largest`: BASE_TOKENS, and both sides of every M where the GEMM tile changes
-    (_gemm.pick_config, by rows per expert) or expand leaves its one-kernel path (M * k > 2048)."""
-    tiles = [_gemm.pick_config(1, M * top_k, E) for M in range(largest + 1)]
+    """Mixed M up to `largest`: BASE_TOKENS, and both sides of every M where the GEMM launches change
+    (_gemm.plan, by rows per expert) or expand leaves its one-kernel path (M * k > 2048)."""
+    tiles = [_gemm.plan(M * top_k, E) for M in range(largest + 1)]
     edges = {M for M in range(1, largest + 1) if tiles[M] != tiles[M - 1]} | {ROUTING_SMALL_SLOTS // top_k + 1}
     return sorted({*BASE_TOKENS, *edges, *(M - 1 for M in edges)})
 

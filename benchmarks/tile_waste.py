@@ -14,15 +14,17 @@ the rows per expert r_e counted:
 A scheme gives expert e tiles that cover padded_e >= r_e rows. Per scheme the record holds
 waste = sum padded_e / sum r_e (padded MMA work over useful work) and re-stream = tiles over
 active experts (how many times each active expert's weights are streamed; 1 is ideal). Schemes:
-- "pick": one TileN for all experts, the one moe_cutlass._gemm.pick_config takes for M * k rows;
+- "pick": one TileN for all experts, the one moe_cutlass._gemm.pick_config takes for M * k rows
+  (fused_moe's launches before the split plans);
+- "plan": what fused_moe launches, moe_cutlass._gemm.plan: one tile, or parts whose row windows
+  put each expert's full 128-row chunks and its remainder in tiles the device picks per expert;
 - "rem128": full 128-row tiles, then the remainder in one tile rounded up to a multiple of 32;
 - "oracle": per expert the built TileN (TILES) with the fewest padded rows, ties to the larger.
-Both GEMMs see the same r_e and pick_config gives them the same TileN, so one number covers both.
+Both GEMMs see the same r_e and the same tiles, so one number covers both.
 Values are means over the seeds. Writes a "tile_waste" record (benchmarks/record.py), one row
 per (config, M, routing).
 """
 import argparse
-import re
 import time
 
 import torch
@@ -61,15 +63,21 @@ def rows_per_expert(ids, E):
     return torch.bincount(ids.flatten(), minlength=E)
 
 
-def tile_n(config):
-    """TileN of a config name such as "moe_gemm1_m128n32k128_coop"."""
-    return int(re.search(r"n(\d+)k", config).group(1))
-
-
 def one_tile(rows, n):
     """(padded rows, tiles) per expert with TileN n for all."""
     tiles = (rows + n - 1) // n
     return tiles * n, tiles
+
+
+def planned(rows, plan):
+    """(padded rows, tiles) per expert under a _gemm.Plan: each part pads the rows its window takes."""
+    padded, tiles = torch.zeros_like(rows), torch.zeros_like(rows)
+    for config1, _, lo, hi in plan.parts:
+        n = _gemm.tile_n(config1)
+        count = torch.tensor([_gemm.window_rows(int(r), plan.chunk, lo, hi)[1] for r in rows])
+        padded += (count + n - 1) // n * n
+        tiles += (count + n - 1) // n
+    return padded, tiles
 
 
 def rem128(rows):
@@ -98,8 +106,10 @@ def factors(rows, scheme):
 
 def measure(name, M, routing, seeds):
     E, _, _, k = CONFIGS[name]
-    picked = tile_n(_gemm.pick_config(1, M * k, E))
-    schemes = {"pick": lambda rows: one_tile(rows, picked), "rem128": rem128, "oracle": oracle}
+    picked = _gemm.tile_n(_gemm.pick_config(1, M * k, E))
+    plan = _gemm.plan(M * k, E)
+    schemes = {"pick": lambda rows: one_tile(rows, picked), "plan": lambda rows: planned(rows, plan),
+               "rem128": rem128, "oracle": oracle}
     sums = {}
     for seed in range(seeds):
         rows = rows_per_expert(route(routing, M, E, k, torch.Generator().manual_seed(seed)), E)
@@ -109,7 +119,7 @@ def measure(name, M, routing, seeds):
         for key, value in values.items():
             sums[key] = sums.get(key, 0) + value
     return {"config": name, "M": M, "routing": routing, "E": E, "top_k": k, "rows_mean": M * k / E,
-            "pick_tile_n": picked, **{key: round(value / seeds, 4) for key, value in sums.items()}}
+            "pick_tile_n": picked, "plan_tiles_n": [_gemm.tile_n(part[0]) for part in plan.parts], **{key: round(value / seeds, 4) for key, value in sums.items()}}
 
 
 def run(args):
@@ -122,8 +132,9 @@ def run(args):
                 rows.append(row)
                 print(f"{name:14s} M={M:6d} {routing:9s} rows/expert {row['rows_mean']:7.1f} (max "
                       f"{row['rows_max']:7.1f})  waste pick(n{row['pick_tile_n']}) {row['pick_waste']:.3f} "
-                      f"rem128 {row['rem128_waste']:.3f} oracle {row['oracle_waste']:.3f}  re-stream "
-                      f"{row['pick_restream']:.2f} / {row['rem128_restream']:.2f} / {row['oracle_restream']:.2f}",
+                      f"plan {row['plan_waste']:.3f} rem128 {row['rem128_waste']:.3f} oracle "
+                      f"{row['oracle_waste']:.3f}  re-stream {row['pick_restream']:.2f} / {row['plan_restream']:.2f} / "
+                      f"{row['rem128_restream']:.2f} / {row['oracle_restream']:.2f}",
                       flush=True)
     payload = {"device": "cpu (simulation)", "seeds": args.seeds, "tiles": list(TILES),
                "dirichlet_alpha": DIRICHLET_ALPHA, "zipf_exponent": ZIPF_EXPONENT,

@@ -35,8 +35,9 @@ ARCH_FLAGS = {
 # for how many rows per expert: moe_cutlass/_gemm.pick_config. H200 measurements
 # (benchmarks/results/bench_20261129T124329Z_gemm.json, bench_20261129T131109Z_gemm.json): 128x16x128
 # and 64x16 pingpong lost everywhere and were dropped; 128x64x128 wins at 33..64 rows per expert,
-# where 128x32 needs two tiles and 128x128 pads half of one.
-SM90_GEMM_TILES = ((128, 32, 128), (128, 64, 128), (128, 128, 128), (128, 16, 256), (128, 8, 256))
+# where 128x32 needs two tiles and 128x128 pads half of one. 128x96x128 serves the split plans
+# (_gemm.split_plan): an expert's remainder of 65..96 rows in one tile instead of a 128-row one.
+SM90_GEMM_TILES = ((128, 32, 128), (128, 64, 128), (128, 96, 128), (128, 128, 128), (128, 16, 256), (128, 8, 256))
 
 
 def _gemm_configs(tiles) -> list:

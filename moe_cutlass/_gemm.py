@@ -1,13 +1,17 @@
 """Thin Python wrapper of the MoE grouped-GEMM C ABI (templates/sm90/moe_gemm.h.j2): the layer,
-the tests and benchmarks/bench_gemm.py call the kernels through it.
+the tests and benchmarks/bench_gemm.py call the kernels through it, and the host's choice of token
+tiles (pick_config, plan).
 
-    mc_sm90_<config>(w_blocks, w_scales, bias, act, expert_offsets, row_weights, out,
-                     E, N, K, scale_max, activation, swiglu_alpha, swiglu_limit, workspace, workspace_bytes, stream)
+    mc_sm90_<config>(w_blocks, w_scales, bias, act, act_rows, expert_offsets, row_chunk, rem_lo, rem_hi,
+                     row_weights, out, E, N, K, scale_max, activation, swiglu_alpha, swiglu_limit,
+                     workspace, workspace_bytes, stream)
 """
 
 import bisect
 import functools
 import math
+import re
+from typing import NamedTuple
 
 import torch
 
@@ -17,6 +21,8 @@ ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
 MAX_SCALE_BYTE = 255   # a prepared dict without scale_max takes the conversion exact for every byte
 GEMM1_CONFIG = "moe_gemm1_m128n32k128_coop"
 GEMM2_CONFIG = "moe_gemm2_m128n32k128_coop"
+ALL_ROWS = (1 << 30, 0, 1 << 30)   # the row window (chunk, rem_lo, rem_hi) that takes every row
+PLAN = "plan"   # a tuned choice that keeps the built-in rule (plan) for its batch size
 
 
 def pick_config(kind: int, rows: int, num_experts: int, available=None, batch_invariant=False) -> str:
@@ -49,6 +55,79 @@ def pick_config(kind: int, rows: int, num_experts: int, available=None, batch_in
     if available is not None and name not in available:
         name = f"moe_gemm{kind}_m128n32k128_coop"
     return name
+
+
+def tile_n(config: str) -> int:
+    """The token tile (TileN) of a GEMM config name (moe_gemm<kind>_m<M>n<N>k<K>_<schedule>) or tile."""
+    return int(re.search(r"m\d+n(\d+)k\d+", config).group(1))
+
+
+class Plan(NamedTuple):
+    """How a layer call launches its GEMMs: parts[p] = (GEMM1 config, GEMM2 config, rem_lo, rem_hi),
+    each run over the rows that the window (chunk, rem_lo, rem_hi) takes of every expert
+    (templates/sm90/moe_rows.hpp), largest tile first."""
+
+    chunk: int
+    parts: tuple
+
+
+def window_rows(rows: int, chunk: int, rem_lo: int, rem_hi: int) -> tuple:
+    """(first, count): the rows of an expert with `rows` rows that a launch with this window takes,
+    first counted from the expert's first row (MoeRowWindow::rows of templates/sm90/moe_rows.hpp)."""
+    rem = rows % chunk
+    full = rem_hi == chunk
+    take = rem if rem_lo < rem <= rem_hi else 0
+    return (0 if full else rows - rem), (rows - rem if full else 0) + take
+
+
+def single(config1: str, config2: str = None) -> Plan:
+    """One launch per GEMM over every row: config1, and for GEMM2 config2 or config1's tile."""
+    config2 = config2 or config1.replace("moe_gemm1_", "moe_gemm2_", 1)
+    return Plan(ALL_ROWS[0], ((config1, config2, ALL_ROWS[1], ALL_ROWS[2]),))
+
+
+# Token tiles that split_plan may combine, largest first, and the spread of an expert's rows it
+# plans for (mean +- SPREAD_SDS sqrt(mean), uniform top-k routing's spread; busier experts are still
+# correct, in a larger tile than they need).
+SPLIT_TILES = ("m128n128k128_coop", "m128n96k128_coop", "m128n64k128_coop", "m128n32k128_coop")
+SPLIT_MIN_ROWS = 12   # rows per expert above which plan() splits (pick_config's 8/16-token tiles below)
+SPREAD_SDS = 3.0
+
+
+def split_plan(rows: int, num_experts: int) -> Plan:
+    """Parts of token tiles 128 / 96 / 64 / 32 that the device chooses between per expert: each
+    expert's full 128-row chunks and a remainder above 96 in the 128-token tile, a remainder in
+    (64, 96] in the 96-token tile, and so on down to 32 (KERNEL_NOTES H.4: one tile per launch
+    pads 24-48% of the MMA work at M = 4096, or makes half the experts stream and convert their
+    weights twice at the M = 1024 ridge). Parts that no expert within the expected spread of rows
+    needs are left out (a launch without rows still costs a few microseconds), their windows
+    merged into the next larger part's; the chunk is the smallest power-of-two tile above the
+    spread. Skewed routing is still right, its outliers in larger or more tiles than they need."""
+    mean = rows / max(1, num_experts)
+    lo, hi = max(0.0, mean - SPREAD_SDS * math.sqrt(mean)), mean + SPREAD_SDS * math.sqrt(mean)
+    sizes = [tile_n(t) for t in SPLIT_TILES]
+    chunk = next((n for n in reversed(sizes) if n >= hi and n & (n - 1) == 0), sizes[0])   # a power of two
+    needed = {chunk} if hi >= chunk else set()   # full chunks expected
+    for r in range(int(lo), int(math.ceil(hi)) + 1):
+        if r % chunk:
+            needed.add(min(n for n in sizes if n >= r % chunk))
+    # The largest kept part also takes the full chunks and any remainder above it (its window ends
+    # at the chunk): rows past the expected spread, in more than one of its tiles.
+    kept = [(t, n) for t, n in zip(SPLIT_TILES, sizes) if n <= chunk and n in needed]
+    return Plan(chunk, tuple((f"moe_gemm1_{t}", f"moe_gemm2_{t}", kept[i + 1][1] if i + 1 < len(kept) else 0,
+                              chunk if i == 0 else n) for i, (t, n) in enumerate(kept)))
+
+
+def plan(rows: int, num_experts: int, available=None, batch_invariant=False) -> Plan:
+    """The GEMM launches of a call with `rows` (M * top_k) rows: pick_config's one tile up to
+    SPLIT_MIN_ROWS rows per expert (streaming tiles) and for batch_invariant (whose bits must not
+    depend on which part a row lands in), split_plan's parts above."""
+    if batch_invariant or rows / max(1, num_experts) <= SPLIT_MIN_ROWS:
+        return single(pick_config(1, rows, num_experts, available, batch_invariant))
+    p = split_plan(rows, num_experts)
+    if available is not None and not all(c in available for part in p.parts for c in part[:2]):
+        return single(pick_config(1, rows, num_experts, available, batch_invariant))
+    return p
 
 
 # Tile choices that moe_cutlass.tuning measured for a layer shape on a device, in force for fused_moe
@@ -109,8 +188,9 @@ def _ptr(t):
 
 def run(config: str, prepared: dict, act: torch.Tensor, expert_offsets: torch.Tensor, out: torch.Tensor,
         N: int, K: int, row_weights=None, activation="silu", swiglu_alpha=1.702, swiglu_limit=None,
-        ws=None, stream=None, check=True) -> int:
-    """Launch one grouped GEMM. `prepared` is layout.prepare_w13/prepare_w2's dict (on the GPU).
+        ws=None, stream=None, check=True, window=ALL_ROWS) -> int:
+    """Launch one grouped GEMM. `prepared` is layout.prepare_w13/prepare_w2's dict (on the GPU);
+    window: (chunk, rem_lo, rem_hi), which of each expert's rows the launch takes (a Plan part's).
     Returns the status code (raises on non-zero when check=True)."""
     E = prepared["blocks"].shape[0]
     if ws is None:
@@ -119,18 +199,20 @@ def run(config: str, prepared: dict, act: torch.Tensor, expert_offsets: torch.Te
         stream = torch.cuda.current_stream(act.device).cuda_stream
     act_code = ACTIVATIONS[activation] if isinstance(activation, str) else int(activation)
     status = launch(function(config), prepared, act.data_ptr(), act.shape[0], expert_offsets.data_ptr(), _ptr(row_weights),
-                    out.data_ptr(), E, N, K, ws.data_ptr(), ws.numel(), stream, act_code, swiglu_alpha, swiglu_limit)
+                    out.data_ptr(), E, N, K, ws.data_ptr(), ws.numel(), stream, act_code, swiglu_alpha, swiglu_limit,
+                    window)
     if check and status != 0:
         raise RuntimeError(f"mc_sm90_{config} failed: {_lib.library().error_string(status)} ({status})")
     return status
 
 
 def launch(fn, prepared: dict, act: int, act_rows: int, expert_offsets: int, row_weights, out: int, E: int, N: int,
-           K: int, ws: int, ws_bytes: int, stream: int, activation=0, swiglu_alpha=1.702, swiglu_limit=None) -> int:
+           K: int, ws: int, ws_bytes: int, stream: int, activation=0, swiglu_alpha=1.702, swiglu_limit=None,
+           window=ALL_ROWS) -> int:
     """`run` on data pointers (fn from `function`), for the layer: nothing but the C call; returns its status.
     act_rows: the rows the act buffer holds (its TMA descriptor's extent; the same value every call
     keeps the host's cached descriptors)."""
     limit = math.inf if swiglu_limit is None else float(swiglu_limit)
     return fn(prepared["blocks"].data_ptr(), prepared["scales"].data_ptr(), _ptr(prepared.get("bias")), act, act_rows,
-              expert_offsets, row_weights, out, E, N, K, prepared.get("scale_max", MAX_SCALE_BYTE), activation,
+              expert_offsets, *window, row_weights, out, E, N, K, prepared.get("scale_max", MAX_SCALE_BYTE), activation,
               float(swiglu_alpha), limit, ws, ws_bytes, stream)

@@ -149,7 +149,15 @@ def _check_weights(experts, device) -> None:
 
 # ---- the kernels ----
 
-_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
+MAX_GEMM_PARTS = 4   # MC_MAX_GEMM_PARTS
+
+
+class GemmPlan(ctypes.Structure):
+    """struct McGemmPlan of templates/sm90/moe_layer_call.h: a _gemm.Plan as mc_layer reads it."""
+
+    _fields_ = [("gemm1", _P * MAX_GEMM_PARTS), ("gemm2", _P * MAX_GEMM_PARTS), ("rem_lo", _I32 * MAX_GEMM_PARTS),
+                ("rem_hi", _I32 * MAX_GEMM_PARTS), ("row_chunk", _I32), ("num_parts", _I32)]
 
 
 class LayerCall(ctypes.Structure):
@@ -158,7 +166,7 @@ class LayerCall(ctypes.Structure):
     CUDA graphs of the launches in `graphs`; they are freed with the block (see _launch)."""
 
     _fields_ = [("hidden", _P), ("topk_ids", _P), ("topk_weights", _P), ("out", _P), ("num_tokens", _I64),
-                ("stream", _P), ("gemm1", _P), ("gemm2", _P), ("fused", _P),
+                ("stream", _P), ("plan", _P), ("fused", _P),
                 ("ids_int64", _I64), ("top_k", _I64), ("num_experts", _I64), ("hidden_size", _I64),
                 ("intermediate_size", _I64), ("expert_map", _P), ("num_global_experts", _I64),
                 ("w13_blocks", _P), ("w13_scales", _P), ("w13_bias", _P), ("w13_scale_max", _I64),
@@ -172,8 +180,8 @@ class LayerCall(ctypes.Structure):
 
 
 # The per-call fields lead the block (hidden .. fused): a call writes them with one pack_into.
-_PER_CALL = struct.Struct("=QQQQqQQQQ")
-assert [getattr(LayerCall, f).offset for f, _ in LayerCall._fields_[:9]] == list(range(0, _PER_CALL.size, 8))
+_PER_CALL = struct.Struct("=QQQQqQQQ")
+assert [getattr(LayerCall, f).offset for f, _ in LayerCall._fields_[:8]] == list(range(0, _PER_CALL.size, 8))
 
 # Which calls run as ONE launch (templates/sm90/moe_decode.cuh) instead of expand -> GEMM1 ->
 # GEMM2 -> finalize: at most FUSED_MAX_TOKENS tokens, at most the kernel's slot limit, experts of
@@ -188,11 +196,12 @@ FUSED_KERNEL = "moe_decode"
 
 
 class _Gemms(NamedTuple):
-    """The kernels of one call: entry addresses for mc_layer (fused: the one-launch layer, or 0),
-    names for error messages in the order of McLayerCall.failed."""
+    """The kernels of one call: the GEMM plan for mc_layer (kept alive here, its address passed),
+    the one-launch layer's entry address or 0, names for error messages in the order of
+    McLayerCall.failed."""
 
-    gemm1: int
-    gemm2: int
+    plan: GemmPlan
+    plan_address: int
     fused: int
     names: tuple
 
@@ -208,18 +217,25 @@ def fused_max_slots() -> int:
 
 @functools.lru_cache(maxsize=1024)
 def _gemms(slots: int, E: int, batch_invariant: bool, fused: bool, ids_int64: bool, tuned=None) -> _Gemms:
-    # The GEMM tiles follow the rows per expert, which the host knows only on average (slots / E),
-    # unless moe_cutlass.tuning measured this shape (tuned: the two config names).
-    if tuned is None:
-        tuned = tuple(_gemm.pick_config(kind, slots, E, _gemm.configs_of(kind), batch_invariant) for kind in GEMM_KINDS)
-    names = tuple(f"mc_sm90_{config}" for config in tuned)
+    # The GEMM tiles follow the rows per expert, which the host knows only on average (slots / E):
+    # _gemm.plan's parts let the device place each expert's rows. A shape that moe_cutlass.tuning
+    # measured (tuned: the two config names, or _gemm.PLAN for the rule) runs them as one launch each.
     lib = _lib.library()
-    gemm1, gemm2 = (ctypes.cast(lib.function(n), ctypes.c_void_p).value for n in names)
+    if tuned is not None and tuned[0] != _gemm.PLAN:
+        p = _gemm.single(*tuned)
+    else:
+        p = _gemm.plan(slots, E, _gemm.configs_of(1), batch_invariant)
+    plan = GemmPlan(row_chunk=p.chunk, num_parts=len(p.parts))
+    for i, (config1, config2, lo, hi) in enumerate(p.parts):
+        plan.gemm1[i], plan.gemm2[i] = (ctypes.cast(lib.function(f"mc_sm90_{c}"), ctypes.c_void_p).value
+                                        for c in (config1, config2))
+        plan.rem_lo[i], plan.rem_hi[i] = lo, hi
     fused_name = f"mc_sm90_{FUSED_KERNEL}"
     fused_address = ctypes.cast(lib.function(fused_name), ctypes.c_void_p).value if fused else 0
     expand = "mc_expand_i64" if ids_int64 else "mc_expand_i32"
-    return _Gemms(gemm1, gemm2, fused_address,
-                  (expand, *names, "mc_finalize", "mc_layer (its CUDA graph launch)", fused_name))
+    gemm_names = tuple(" / ".join(f"mc_sm90_{part[kind]}" for part in p.parts) for kind in (0, 1))
+    return _Gemms(plan, ctypes.addressof(plan), fused_address,
+                  (expand, *gemm_names, "mc_finalize", "mc_layer (its CUDA graph launch)", fused_name))
 
 
 def uses_fused(num_tokens: int, top_k: int, hidden_size: int, intermediate_size: int,
@@ -341,7 +357,7 @@ def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_l
     if (hidden_ptr | out_ptr) % 16:
         check_pointers(hidden, out, None)
     _PER_CALL.pack_into(block, 0, hidden_ptr, topk_ids.data_ptr(), topk_weights.data_ptr(), out_ptr, M, stream,
-                        gemms.gemm1, gemms.gemm2, gemms.fused)
+                        gemms.plan_address, gemms.fused)
     status = _layer_function()(address)
     if status:
         raise _failed(status, gemms.names[block.failed])

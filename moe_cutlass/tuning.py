@@ -1,7 +1,8 @@
 """Opt-in tile autotuning: time every built GEMM tile for one layer shape and keep the fastest per batch size.
 
 fused_moe picks its GEMM tiles by a rule measured on an H200 under uniform random routing
-(`_gemm.pick_config`, from the average rows per expert). A different GPU, a shape far from the
+(`_gemm.plan`, from the average rows per expert: one tile, or parts among which the device
+places each expert's rows). A different GPU, a shape far from the
 measured ones, or a skewed routing can prefer another tile (benchmarks/NOTES.md: a tile sized for
 the mean re-streams the busy experts' weights). `autotune` measures instead:
 
@@ -29,10 +30,11 @@ FORMAT = 1
 
 
 def candidates() -> list:
-    """(GEMM1 config, GEMM2 config) pairs of every token tile the built library holds for both GEMMs."""
+    """(GEMM1 config, GEMM2 config) pairs of every token tile the built library holds for both GEMMs,
+    and (PLAN, PLAN): the built-in rule, _gemm.plan."""
     gemm2 = set(_gemm.configs_of(2))
     return [(c1, c1.replace("moe_gemm1_", "moe_gemm2_", 1)) for c1 in sorted(_gemm.configs_of(1))
-            if c1.replace("moe_gemm1_", "moe_gemm2_", 1) in gemm2]
+            if c1.replace("moe_gemm1_", "moe_gemm2_", 1) in gemm2] + [(_gemm.PLAN, _gemm.PLAN)]
 
 
 def _routing(M, E, k, gen, device):
@@ -155,6 +157,6 @@ def _check_table(table, where) -> None:
         if not ok or not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise ValueError(f"{where}: choices[{m!r}] must be a batch size >= 1 -> [gemm1 config, gemm2 config]")
         for kind, config in zip((1, 2), pair):
-            if config not in built[kind]:
+            if config not in built[kind] and config != _gemm.PLAN:
                 raise ValueError(f"{where}: choices[{m!r}] names {config!r}, not a GEMM{kind} config of the built "
-                                 f"library ({', '.join(sorted(built[kind]))})")
+                                 f"library ({', '.join(sorted(built[kind]))}) or {_gemm.PLAN!r}")

@@ -91,7 +91,7 @@ def to_cuda(d):
     return _map_tensors(torch.Tensor.cuda, d)
 
 
-def run_gemm2(blocks, scales, bias, x, counts, w, extra_rows=3, config=None):
+def run_gemm2(blocks, scales, bias, x, counts, w, extra_rows=3, config=None, window=None, out=None):
     g = _gemm()
     config = config or g.GEMM2_CONFIG
     E, N, _ = blocks.shape
@@ -99,14 +99,15 @@ def run_gemm2(blocks, scales, bias, x, counts, w, extra_rows=3, config=None):
     p = layout.prepare_w2(blocks.cuda(), scales.cuda(), None if bias is None else bias.cuda())
     off = offsets_of(counts).cuda()
     total = sum(counts)
-    out = torch.full((total + extra_rows, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    g.run(config, p, x.cuda(), off, out, N, K, row_weights=w.cuda())
+    if out is None:
+        out = torch.full((total + extra_rows, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    g.run(config, p, x.cuda(), off, out, N, K, row_weights=w.cuda(), window=window or g.ALL_ROWS)
     torch.cuda.synchronize()
     return out
 
 
 def run_gemm1(blocks, scales, bias, x, counts, gate_up="concat", activation="silu", alpha=1.702, limit=None,
-              extra_rows=3, config=None):
+              extra_rows=3, config=None, window=None, out=None):
     g = _gemm()
     config = config or g.GEMM1_CONFIG
     E, N, _ = blocks.shape
@@ -114,9 +115,10 @@ def run_gemm1(blocks, scales, bias, x, counts, gate_up="concat", activation="sil
     p = layout.prepare_w13(blocks.cuda(), scales.cuda(), None if bias is None else bias.cuda(), gate_up)
     off = offsets_of(counts).cuda()
     total = sum(counts)
-    out = torch.full((total + extra_rows, N // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+    if out is None:
+        out = torch.full((total + extra_rows, N // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
     g.run(config, p, x.cuda(), off, out, N, K, activation=activation, swiglu_alpha=alpha,
-          swiglu_limit=limit)
+          swiglu_limit=limit, window=window or g.ALL_ROWS)
     torch.cuda.synchronize()
     return out
 
@@ -243,6 +245,49 @@ def test_activations(activation, limit, with_bias, config):
     assert relerr(out[:sum(counts)].cpu(), ref) < 1e-2
 
 
+@pytest.mark.parametrize("kind", [1, 2])
+def test_row_windows_take_their_rows_only(kind):
+    """A split plan's parts (templates/sm90/moe_rows.hpp): each launch writes exactly the rows its
+    window takes of every expert (the rest stay poisoned), and the parts together match the
+    reference; row counts around every window edge."""
+    g = _gemm()
+    plan = g.split_plan(4096 * 4, 128)
+    assert [g.tile_n(part[0]) for part in plan.parts] == [128, 96, 64, 32]
+    gen = torch.Generator().manual_seed(11 + kind)
+    counts = [0, 5, 32, 33, 64, 65, 127, 128, 129, 200, 300, 1, 160]
+    E, total, H, I = len(counts), sum(counts), 160, 96
+    N, K = (2 * I, H) if kind == 1 else (H, I)
+    blocks, scales = random_weights(E, N, K, gen)
+    bias = torch.randn(E, N, generator=gen)
+    x = torch.randn(total, K, generator=gen).to(torch.bfloat16)
+    w = torch.rand(total, generator=gen)
+
+    def run(part, out=None):
+        config = part[kind - 1]
+        window = (plan.chunk, part[2], part[3])
+        if kind == 1:
+            return run_gemm1(blocks, scales, bias, x, counts, config=config, window=window, out=out)
+        return run_gemm2(blocks, scales, bias, x, counts, w, config=config, window=window, out=out)
+
+    start = offsets_of(counts).tolist()
+    for part in plan.parts:
+        written = ~torch.isnan(run(part).float().cpu()).all(1)
+        want = torch.zeros(total + 3, dtype=torch.bool)
+        for e, c in enumerate(counts):
+            first, count = g.window_rows(c, plan.chunk, part[2], part[3])
+            want[start[e] + first:start[e] + first + count] = True
+        assert torch.equal(written, want), f"part {part[0]}: rows {torch.nonzero(written != want).flatten().tolist()}"
+    out = run(plan.parts[0])
+    for part in plan.parts[1:]:
+        run(part, out)
+    if kind == 1:
+        ref = ref_gemm1(dequant(blocks, scales), bias, x, counts, "silu", 1.702, None)
+    else:
+        ref = ref_gemm2(dequant(blocks, scales), bias, x, w, counts)
+    assert not torch.isnan(out[:total].float()).any() and torch.isnan(out[total:].float()).all()
+    assert relerr(out[:total].cpu(), ref) < 1e-2
+
+
 def test_deterministic():
     gen = torch.Generator().manual_seed(9)
     H, I, counts = 256, 128, [40, 0, 90, 7]
@@ -307,6 +352,8 @@ def test_bad_arguments_return_errors():
     # need no workspace, and a NULL one is accepted.
     assert all(g.workspace_size(c, 2) == 0 for c in CONFIGS1 + CONFIGS2)
     assert g.run(g.GEMM1_CONFIG, p, x, off, out, 64, 64, activation=5, check=False) != 0
+    for window in ((96, 0, 96), (128, 64, 64), (128, 0, 129), (128, -1, 32), (0, 0, 0)):   # moe_rows.hpp's rules
+        assert g.run(g.GEMM2_CONFIG, p, x, off, out, 64, 64, row_weights=w, window=window, check=False) != 0
     torch.cuda.synchronize()
 
 

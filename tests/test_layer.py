@@ -78,3 +78,43 @@ def test_gemm_tile_falls_back_to_one_the_library_holds():
     from moe_cutlass import _gemm
 
     assert _gemm.pick_config(1, 8, 1, available=["moe_gemm1_m128n32k128_coop"]) == "moe_gemm1_m128n32k128_coop"
+
+
+SHAPE_ROUTES = {"qwen3-30b-a3b": (128, 8), "gpt-oss-120b": (128, 4), "dsv4-flash": (256, 6), "dsv3": (256, 8)}
+
+
+@pytest.mark.parametrize("M", [1, 16, 64, 256, 1000, 1024, 2048, 4096, 16384, 10 ** 6])
+@pytest.mark.parametrize("shape", list(SHAPE_ROUTES))
+def test_plan_parts_take_every_row_once(shape, M):
+    """Whatever an expert's row count, the parts of the GEMM plan take each of its rows exactly once,
+    as one contiguous run per part, and each part's token tile holds its remainder."""
+    from moe_cutlass import _gemm
+
+    E, k = SHAPE_ROUTES[shape]
+    plan = _gemm.plan(M * k, E)
+    assert 1 <= len(plan.parts) <= 4
+    tiles = [_gemm.tile_n(part[0]) for part in plan.parts]
+    assert tiles == sorted(tiles, reverse=True) and all(_gemm.tile_n(p[1]) == _gemm.tile_n(p[0]) for p in plan.parts)
+    for rows in range(0, 3 * 128 + 2):
+        taken = []
+        for config1, _, lo, hi in plan.parts:
+            first, count = _gemm.window_rows(rows, plan.chunk, lo, hi)
+            taken += range(first, first + count)
+            if count and len(plan.parts) > 1 and hi < plan.chunk:
+                assert count <= _gemm.tile_n(config1), "a remainder part takes one tile per expert"
+        assert sorted(taken) == list(range(rows)), (rows, plan)
+
+
+def test_plan_splits_only_above_the_streaming_tiles():
+    from moe_cutlass import _gemm
+
+    for per_expert in (1, 4, 8, 12):
+        plan = _gemm.plan(per_expert * 128, 128)
+        assert plan == _gemm.single(_gemm.pick_config(1, per_expert * 128, 128))
+    # the M = 1024 ridge: one part per expert size class, each expert's weights converted once
+    assert [_gemm.tile_n(p[0]) for p in _gemm.plan(1024 * 4, 128).parts] == [64, 32]      # gpt-oss
+    assert [_gemm.tile_n(p[0]) for p in _gemm.plan(1024 * 8, 128).parts] == [96, 64]      # qwen3
+    assert [_gemm.tile_n(p[0]) for p in _gemm.plan(4096 * 4, 128).parts] == [128, 96, 64, 32]
+    assert _gemm.plan(4096 * 4, 128, batch_invariant=True) == _gemm.single("moe_gemm1_m128n128k128_coop")
+    only = ["moe_gemm1_m128n128k128_coop", "moe_gemm1_m128n32k128_coop"]   # a partial build: one tile
+    assert _gemm.plan(4096 * 4, 128, available=only) == _gemm.single("moe_gemm1_m128n128k128_coop")

@@ -22,10 +22,10 @@ def test_the_pool_spans_every_tile_and_both_routing_paths(layer):
     E, k = soak.LAYERS[layer].E, soak.LAYERS[layer].top_k
     pool = token_pool(E, k)
     assert pool == sorted(set(pool)) and pool[0] == 1 and pool[-1] == soak.BASE_TOKENS[-1]
-    tiles = {_gemm.pick_config(1, M * k, E) for M in pool}
-    assert len(tiles) == 5  # n8 .. n128: every tile pick_config has
+    tiles = {part[0] for M in pool for part in _gemm.plan(M * k, E).parts}
+    assert len(tiles) == 6  # n8 .. n128: every tile the plans use
     for M in range(2, pool[-1] + 1):  # both sides of every change
-        if _gemm.pick_config(1, M * k, E) != _gemm.pick_config(1, (M - 1) * k, E):
+        if _gemm.plan(M * k, E) != _gemm.plan((M - 1) * k, E):
             assert {M - 1, M} <= set(pool), M
     assert {ROUTING_SMALL_SLOTS // k, ROUTING_SMALL_SLOTS // k + 1} <= set(pool)
 

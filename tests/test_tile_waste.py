@@ -35,8 +35,22 @@ def test_oracle_never_wastes_more_than_one_tile_or_rem128():
 
 
 def test_tile_n_reads_the_config_name():
-    assert tile_waste.tile_n("moe_gemm1_m128n32k128_coop") == 32
-    assert tile_waste.tile_n("moe_gemm2_m128n128k128_coop") == 128
+    from moe_cutlass import _gemm
+
+    assert _gemm.tile_n("moe_gemm1_m128n32k128_coop") == 32
+    assert _gemm.tile_n("moe_gemm2_m128n128k128_coop") == 128
+    assert _gemm.tile_n("m128n8k256_coop") == 8
+
+
+def test_a_split_plan_pads_each_part_to_its_tile():
+    from moe_cutlass import _gemm
+
+    plan = _gemm.split_plan(4096 * 4, 128)   # 128 (full chunks, rest > 96), 96 (65..96), 64 (33..64), 32 (1..32)
+    padded, tiles = tile_waste.planned(torch.tensor([300, 130, 100, 70, 64, 33, 20, 0]), plan)
+    assert padded.tolist() == [256 + 64, 128 + 32, 128, 96, 64, 64, 32, 0]
+    assert tiles.tolist() == [3, 2, 1, 1, 1, 1, 1, 0]
+    single = _gemm.single("moe_gemm1_m128n64k128_coop")
+    assert tile_waste.planned(torch.tensor([130]), single)[0].tolist() == [192]
 
 
 @pytest.mark.parametrize("routing", tile_waste.ROUTINGS)

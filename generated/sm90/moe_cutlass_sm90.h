@@ -38,11 +38,11 @@ int64_t mc_expand_workspace_ints(int64_t num_tokens, int32_t top_k, int32_t num_
 int mc_finalize(const void* rows, int64_t rows_stride, int64_t num_rows, const int32_t* slot_to_row,
                 int64_t num_tokens, int32_t top_k, int64_t hidden_size, float routed_scaling_factor,
                 void* out, int64_t out_stride, cudaStream_t stream);
-/* The whole layer in one call: expand -> call->gemm1 -> call->gemm2 -> finalize on call->stream, or, when
+/* The whole layer in one call: expand -> the GEMM1 parts of call->plan -> its GEMM2 parts -> finalize on call->stream, or, when
  * call->fused is not NULL, that one launch (mc_sm90_moe_decode) instead;
  * call points to a struct McLayerCall (templates/sm90/moe_layer_call.h). On a non-zero status, call->failed names
  * the launch that failed (0 expand, 1 GEMM1, 2 GEMM2, 3 finalize, 4 the graph launch, 5 call->fused); later launches are not
- * made. From the second call of a block with the same GEMM configs, the launches are one CUDA graph launch
+ * made. From the second call of a block with the same GEMM plan, the launches are one CUDA graph launch
  * (not while call->stream is being captured); call->graphs holds the graphs, freed by mc_layer_release. */
 int mc_layer(void* call);
 /* How many CUDA graphs mc_layer keeps ready for this block (0: its calls launch the kernels directly). Host only. */
@@ -73,6 +73,9 @@ int32_t mc_sm90_moe_decode_max_slots(void);
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
@@ -83,7 +86,8 @@ int32_t mc_sm90_moe_decode_max_slots(void);
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n32k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
-                       const int32_t* expert_offsets, const float* row_weights, void* out,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n32k128_coop for E experts on a device with num_sms SMs. Host only. */
@@ -98,6 +102,9 @@ size_t mc_sm90_moe_gemm1_m128n32k128_coop_shared_memory_bytes(void);
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
@@ -108,7 +115,8 @@ size_t mc_sm90_moe_gemm1_m128n32k128_coop_shared_memory_bytes(void);
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n32k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
-                       const int32_t* expert_offsets, const float* row_weights, void* out,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n32k128_coop for E experts on a device with num_sms SMs. Host only. */
@@ -123,6 +131,9 @@ size_t mc_sm90_moe_gemm2_m128n32k128_coop_shared_memory_bytes(void);
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
@@ -133,7 +144,8 @@ size_t mc_sm90_moe_gemm2_m128n32k128_coop_shared_memory_bytes(void);
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n64k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
-                       const int32_t* expert_offsets, const float* row_weights, void* out,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n64k128_coop for E experts on a device with num_sms SMs. Host only. */
@@ -148,6 +160,9 @@ size_t mc_sm90_moe_gemm1_m128n64k128_coop_shared_memory_bytes(void);
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
@@ -158,7 +173,8 @@ size_t mc_sm90_moe_gemm1_m128n64k128_coop_shared_memory_bytes(void);
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n64k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
-                       const int32_t* expert_offsets, const float* row_weights, void* out,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n64k128_coop for E experts on a device with num_sms SMs. Host only. */
@@ -167,12 +183,73 @@ size_t mc_sm90_moe_gemm2_m128n64k128_coop_workspace_size(int32_t E, int32_t num_
  * build report lists it, since ptxas reports static shared memory only. Host only. */
 size_t mc_sm90_moe_gemm2_m128n64k128_coop_shared_memory_bytes(void);
 
+/* moe_gemm1_m128n96k128_coop (moe_gemm.h.j2) */
+/* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n96k128_coop: GEMM1, tile 128x96x128, cooperative.
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
+ * expert offset: rows past an expert are read and masked), row stride K;
+ * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
+ * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
+ *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
+ * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
+ * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
+ *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n96k128_coop_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
+ * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
+int mc_sm90_moe_gemm1_m128n96k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
+                       int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+/* Workspace bytes of mc_sm90_moe_gemm1_m128n96k128_coop for E experts on a device with num_sms SMs. Host only. */
+size_t mc_sm90_moe_gemm1_m128n96k128_coop_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm1_m128n96k128_coop's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm1_m128n96k128_coop_shared_memory_bytes(void);
+
+/* moe_gemm2_m128n96k128_coop (moe_gemm.h.j2) */
+/* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n96k128_coop: GEMM2, tile 128x96x128, cooperative.
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
+ * expert offset: rows past an expert are read and masked), row stride K;
+ * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
+ * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
+ *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
+ * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
+ * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
+ *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n96k128_coop_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
+ * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
+int mc_sm90_moe_gemm2_m128n96k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
+                       int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+/* Workspace bytes of mc_sm90_moe_gemm2_m128n96k128_coop for E experts on a device with num_sms SMs. Host only. */
+size_t mc_sm90_moe_gemm2_m128n96k128_coop_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm2_m128n96k128_coop's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm2_m128n96k128_coop_shared_memory_bytes(void);
+
 /* moe_gemm1_m128n128k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n128k128_coop: GEMM1, tile 128x128x128, cooperative.
  * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
@@ -183,7 +260,8 @@ size_t mc_sm90_moe_gemm2_m128n64k128_coop_shared_memory_bytes(void);
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n128k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
-                       const int32_t* expert_offsets, const float* row_weights, void* out,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n128k128_coop for E experts on a device with num_sms SMs. Host only. */
@@ -198,6 +276,9 @@ size_t mc_sm90_moe_gemm1_m128n128k128_coop_shared_memory_bytes(void);
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
@@ -208,7 +289,8 @@ size_t mc_sm90_moe_gemm1_m128n128k128_coop_shared_memory_bytes(void);
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n128k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
-                       const int32_t* expert_offsets, const float* row_weights, void* out,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n128k128_coop for E experts on a device with num_sms SMs. Host only. */
@@ -223,6 +305,9 @@ size_t mc_sm90_moe_gemm2_m128n128k128_coop_shared_memory_bytes(void);
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
@@ -233,7 +318,8 @@ size_t mc_sm90_moe_gemm2_m128n128k128_coop_shared_memory_bytes(void);
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n16k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
-                       const int32_t* expert_offsets, const float* row_weights, void* out,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n16k256_coop for E experts on a device with num_sms SMs. Host only. */
@@ -248,6 +334,9 @@ size_t mc_sm90_moe_gemm1_m128n16k256_coop_shared_memory_bytes(void);
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
@@ -258,7 +347,8 @@ size_t mc_sm90_moe_gemm1_m128n16k256_coop_shared_memory_bytes(void);
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n16k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
-                       const int32_t* expert_offsets, const float* row_weights, void* out,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n16k256_coop for E experts on a device with num_sms SMs. Host only. */
@@ -273,6 +363,9 @@ size_t mc_sm90_moe_gemm2_m128n16k256_coop_shared_memory_bytes(void);
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
@@ -283,7 +376,8 @@ size_t mc_sm90_moe_gemm2_m128n16k256_coop_shared_memory_bytes(void);
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n8k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
-                       const int32_t* expert_offsets, const float* row_weights, void* out,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n8k256_coop for E experts on a device with num_sms SMs. Host only. */
@@ -298,6 +392,9 @@ size_t mc_sm90_moe_gemm1_m128n8k256_coop_shared_memory_bytes(void);
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
@@ -308,7 +405,8 @@ size_t mc_sm90_moe_gemm1_m128n8k256_coop_shared_memory_bytes(void);
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n8k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
-                       const int32_t* expert_offsets, const float* row_weights, void* out,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n8k256_coop for E experts on a device with num_sms SMs. Host only. */

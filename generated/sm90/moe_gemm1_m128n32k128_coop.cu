@@ -9,6 +9,9 @@ extern "C" {
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
  * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
@@ -19,7 +22,8 @@ extern "C" {
  * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n32k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
-                       const int32_t* expert_offsets, const float* row_weights, void* out,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
                        float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n32k128_coop for E experts on a device with num_sms SMs. Host only. */
@@ -40,10 +44,12 @@ using Cfg = moe_cutlass::MoeGemmConfig<1, 128, 32, 128, false>;
 }
 
 extern "C" int mc_sm90_moe_gemm1_m128n32k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
-                                  const int32_t* expert_offsets, const float* row_weights, void* out,
+                                  const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                                  const float* row_weights, void* out,
                                   int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
                                   float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  return moe_cutlass::moe_gemm_run<Cfg, 1>(w_blocks, w_scales, bias, act, act_rows, expert_offsets, row_weights, out,
+  return moe_cutlass::moe_gemm_run<Cfg, 1>(w_blocks, w_scales, bias, act, act_rows, expert_offsets, row_chunk,
+                                                   rem_lo, rem_hi, row_weights, out,
                                                    E, N, K, scale_max, activation, swiglu_alpha, swiglu_limit, workspace,
                                                    workspace_bytes, stream);
 }

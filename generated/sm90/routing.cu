@@ -30,11 +30,11 @@ int64_t mc_expand_workspace_ints(int64_t num_tokens, int32_t top_k, int32_t num_
 int mc_finalize(const void* rows, int64_t rows_stride, int64_t num_rows, const int32_t* slot_to_row,
                 int64_t num_tokens, int32_t top_k, int64_t hidden_size, float routed_scaling_factor,
                 void* out, int64_t out_stride, cudaStream_t stream);
-/* The whole layer in one call: expand -> call->gemm1 -> call->gemm2 -> finalize on call->stream, or, when
+/* The whole layer in one call: expand -> the GEMM1 parts of call->plan -> its GEMM2 parts -> finalize on call->stream, or, when
  * call->fused is not NULL, that one launch (mc_sm90_moe_decode) instead;
  * call points to a struct McLayerCall (templates/sm90/moe_layer_call.h). On a non-zero status, call->failed names
  * the launch that failed (0 expand, 1 GEMM1, 2 GEMM2, 3 finalize, 4 the graph launch, 5 call->fused); later launches are not
- * made. From the second call of a block with the same GEMM configs, the launches are one CUDA graph launch
+ * made. From the second call of a block with the same GEMM plan, the launches are one CUDA graph launch
  * (not while call->stream is being captured); call->graphs holds the graphs, freed by mc_layer_release. */
 int mc_layer(void* call);
 /* How many CUDA graphs mc_layer keeps ready for this block (0: its calls launch the kernels directly). Host only. */
@@ -103,7 +103,11 @@ extern "C" int mc_layer(void* call) {
     c->failed = 5;
     return c->fused(c);
   }
-  if (c->gemm1 == nullptr || c->gemm2 == nullptr) return int(cudaErrorInvalidValue);
+  McGemmPlan const* const plan = c->plan;
+  if (plan == nullptr || plan->num_parts < 1 || plan->num_parts > MC_MAX_GEMM_PARTS) return int(cudaErrorInvalidValue);
+  for (int p = 0; p < plan->num_parts; ++p) {
+    if (plan->gemm1[p] == nullptr || plan->gemm2[p] == nullptr) return int(cudaErrorInvalidValue);
+  }
   return moe_cutlass::layer_launch::run(c);
 }
 
@@ -118,7 +122,7 @@ extern "C" void mc_layer_release(void* call) {
 extern "C" void mc_layer_call_layout(int64_t* offsets) {
   int64_t const layout[] = {
       int64_t(offsetof(McLayerCall, hidden)), int64_t(offsetof(McLayerCall, topk_ids)), int64_t(offsetof(McLayerCall, topk_weights)), int64_t(offsetof(McLayerCall, out)),
-      int64_t(offsetof(McLayerCall, num_tokens)), int64_t(offsetof(McLayerCall, stream)), int64_t(offsetof(McLayerCall, gemm1)), int64_t(offsetof(McLayerCall, gemm2)), int64_t(offsetof(McLayerCall, fused)),
+      int64_t(offsetof(McLayerCall, num_tokens)), int64_t(offsetof(McLayerCall, stream)), int64_t(offsetof(McLayerCall, plan)), int64_t(offsetof(McLayerCall, fused)),
       int64_t(offsetof(McLayerCall, ids_int64)), int64_t(offsetof(McLayerCall, top_k)), int64_t(offsetof(McLayerCall, num_experts)), int64_t(offsetof(McLayerCall, hidden_size)),
       int64_t(offsetof(McLayerCall, intermediate_size)), int64_t(offsetof(McLayerCall, expert_map)), int64_t(offsetof(McLayerCall, num_global_experts)), int64_t(offsetof(McLayerCall, w13_blocks)),
       int64_t(offsetof(McLayerCall, w13_scales)), int64_t(offsetof(McLayerCall, w13_bias)), int64_t(offsetof(McLayerCall, w13_scale_max)), int64_t(offsetof(McLayerCall, w2_blocks)),

@@ -14,12 +14,13 @@
 // When not: the first call of a variant launches directly (a one-off call does not pay for a
 // capture), and so does every call on a stream that is itself being captured (a CUDA graph of
 // the caller's, or torch.compile's cudagraphs): there the launches become the caller's nodes.
-// A variant is (GEMM1 config, GEMM2 config, expand's one-kernel or four-kernel path); a block
+// A variant is (the GEMM plan's configs and windows, expand's one-kernel or four-kernel path); a block
 // keeps up to kVariants of them and replaces the oldest. Errors while capturing make the variant
 // launch directly from then on; the results are the same kernels either way.
 #pragma once
 
 #include <cuda_runtime.h>
+#include <cstring>
 
 #include "moe_layer_call.h"
 #include "routing.cuh"
@@ -29,15 +30,13 @@ namespace layer_launch {
 
 namespace routing = moe_cutlass::routing;
 
-constexpr int kMaxNodes = 7;  // expand (1 or 4 kernels), GEMM1, GEMM2, finalize
+constexpr int kMaxNodes = 4 + 2 * MC_MAX_GEMM_PARTS + 1;  // expand (1 or 4 kernels), GEMM parts, finalize
 constexpr int kVariants = 4;
-constexpr int kGemmNodes = 2;
 
 enum Stage { kExpand = 0, kGemm1 = 1, kGemm2 = 2, kFinalize = 3, kGraph = 4 };
 
 struct Variant {
-  McGemmFn gemm1 = nullptr;
-  McGemmFn gemm2 = nullptr;
+  McGemmPlan plan = {};   // a copy: the caller's plan may be freed and its address reused
   bool small = false;     // expand's one-kernel path
   bool direct = false;    // capture failed: launch directly
   cudaGraph_t graph = nullptr;
@@ -46,7 +45,11 @@ struct Variant {
   int num_nodes = 0;
 
   bool matches(McLayerCall const* c, bool small_path) const {
-    return gemm1 == c->gemm1 && gemm2 == c->gemm2 && small == small_path;
+    return std::memcmp(&plan, c->plan, sizeof(plan)) == 0 && small == small_path;
+  }
+  void set(McLayerCall const* c, bool small_path) {
+    plan = *c->plan;
+    small = small_path;
   }
   void release() {
     if (exec != nullptr) cudaGraphExecDestroy(exec);  // a launch in flight completes first
@@ -77,22 +80,31 @@ inline int launch_all(McLayerCall* c, cudaStream_t stream, routing::NodeUpdate* 
                         c->sorted_slots, c->slot_to_row, c->gathered, H, c->row_weights, c->expand_workspace,
                         c->expand_workspace_ints, stream, update);
   if (status) return status;
+  McGemmPlan const& plan = *c->plan;
   if (update != nullptr) {
-    update->next += kGemmNodes;
+    update->next += 2 * plan.num_parts;
   } else {
+    // The parts of one GEMM write disjoint rows; a part runs one kernel after another on `stream`,
+    // so all of them share the GEMM's workspace.
     c->failed = kGemm1;
-    status = c->gemm1(c->w13_blocks, c->w13_scales, c->w13_bias, c->gathered, int32_t(c->act_rows),
-                      c->expert_offsets, nullptr, c->inter, E, int32_t(2 * I), int32_t(H), int32_t(c->w13_scale_max),
-                      int32_t(c->activation), c->swiglu_alpha, c->swiglu_limit, c->gemm1_workspace,
-                      size_t(c->gemm1_workspace_bytes), stream);
-    if (status) return status;
+    for (int p = 0; p < plan.num_parts; ++p) {
+      status = plan.gemm1[p](c->w13_blocks, c->w13_scales, c->w13_bias, c->gathered, int32_t(c->act_rows),
+                             c->expert_offsets, plan.row_chunk, plan.rem_lo[p], plan.rem_hi[p], nullptr, c->inter, E,
+                             int32_t(2 * I), int32_t(H), int32_t(c->w13_scale_max), int32_t(c->activation),
+                             c->swiglu_alpha, c->swiglu_limit, c->gemm1_workspace, size_t(c->gemm1_workspace_bytes),
+                             stream);
+      if (status) return status;
+    }
     // The gathered rows are dead once GEMM1 has read them: GEMM2 writes its rows there. Its
     // activation arguments are unused; fixed values keep its cached launch parameters valid.
     c->failed = kGemm2;
-    status = c->gemm2(c->w2_blocks, c->w2_scales, c->w2_bias, c->inter, int32_t(c->act_rows), c->expert_offsets,
-                      c->row_weights, c->gathered, E, int32_t(H), int32_t(I), int32_t(c->w2_scale_max), 0, 1.702f,
-                      INFINITY, c->gemm2_workspace, size_t(c->gemm2_workspace_bytes), stream);
-    if (status) return status;
+    for (int p = 0; p < plan.num_parts; ++p) {
+      status = plan.gemm2[p](c->w2_blocks, c->w2_scales, c->w2_bias, c->inter, int32_t(c->act_rows),
+                             c->expert_offsets, plan.row_chunk, plan.rem_lo[p], plan.rem_hi[p], c->row_weights,
+                             c->gathered, E, int32_t(H), int32_t(I), int32_t(c->w2_scale_max), 0, 1.702f, INFINITY,
+                             c->gemm2_workspace, size_t(c->gemm2_workspace_bytes), stream);
+      if (status) return status;
+    }
   }
   c->failed = kFinalize;
   return routing::finalize(c->gathered, H, rows, c->slot_to_row, c->num_tokens, k, H, c->routed_scaling_factor,
@@ -127,7 +139,7 @@ inline bool capture(McLayerCall* c, Variant& v) {
     ++count;
   }
   v.num_nodes = count;
-  ok = ok && count == (v.small ? 1 : 4) + kGemmNodes + 1 &&
+  ok = ok && count == (v.small ? 1 : 4) + 2 * v.plan.num_parts + 1 &&
        cudaGraphInstantiate(&v.exec, v.graph, 0) == cudaSuccess;
   cudaGetLastError();  // a failed capture leaves its error behind; the direct launches must not see it
   return ok;
@@ -144,14 +156,15 @@ inline Variant* variant(McLayerCall* c) {
     if (v.direct) return nullptr;
     if (v.exec == nullptr && !capture(c, v)) {
       v.release();
-      v.gemm1 = c->gemm1, v.gemm2 = c->gemm2, v.small = small, v.direct = true;
+      v.set(c, small);
+      v.direct = true;
       return nullptr;
     }
     return &v;
   }
   Variant& v = g.used < kVariants ? g.variants[g.used++] : g.variants[g.oldest++ % kVariants];
   v.release();
-  v.gemm1 = c->gemm1, v.gemm2 = c->gemm2, v.small = small;  // captured at its next call
+  v.set(c, small);  // captured at its next call
   return nullptr;
 }
 

@@ -2,7 +2,8 @@
 // weight rows m, columns = this expert's token rows n). In the style of CUTLASS's
 // epilogue/collective/default_epilogue_array.hpp, wrapped by Sm90TmaWarpSpecializedAdapter
 // (the PtrArrayNoSmemWarpSpecialized path), but with our own per-group addressing:
-// output row of token n of expert e = expert_offsets[e] + n (no pointer arrays needed).
+// output row of token n of expert e = the first row of e that the launch's window takes (moe_rows.hpp:
+// expert_offsets[e], or past e's full chunks) + n (no pointer arrays needed).
 //
 // Kind 1 (GEMM1): weight rows are in the paired order of layout.py (per 16-row block b: rows
 //   16b..16b+7 = gate[8b..8b+7], 16b+8..16b+15 = up[8b..8b+7]); one thread holds gate row m
@@ -18,6 +19,7 @@
 #include "cutlass/cuda_host_adapter.hpp"
 #include "cute/tensor.hpp"
 
+#include "moe_rows.hpp"
 #include "mxfp4_math.cuh"
 
 namespace moe_cutlass {
@@ -28,6 +30,7 @@ struct MoeEpilogueArguments {
   float const* bias = nullptr;           // [E, m_pad] in prepared row order, or null
   float const* row_weights = nullptr;    // [rows] (kind 2), null for kind 1
   int32_t const* offsets = nullptr;      // [E+1]
+  MoeRowWindow window;                   // the mainloop's: which of each expert's rows the launch takes
   int32_t n_real = 0;                    // weight rows (N of the ABI: 2I or H)
   int32_t m_pad = 0;                     // padded weight rows (bias row stride)
   int32_t activation = 0;                // 0 silu, 1 swiglu_oai
@@ -80,15 +83,16 @@ class MoeEpilogue {
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
             class TiledMma, class ResidueMNK>
-  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK, BlockCoordMNKL blk_coord_mnkl,
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL, BlockShapeMNK, BlockCoordMNKL blk_coord_mnkl,
                                  cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma, ResidueMNK,
                                  int thread_idx, char*) {
-    int const n_rows = int(get<1>(problem_shape_mnkl));     // tokens of this expert
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
     int const e = int(l_coord);
     int const m0 = int(m_coord) * TileM;
     int const n0 = int(n_coord) * TileN;
-    int64_t const row_base = params.offsets[e];
+    int32_t first, n_rows;                                   // this expert's rows in the window
+    params.window.rows(params.offsets[e], params.offsets[e + 1], first, n_rows);
+    int64_t const row_base = first;
 
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor cD = make_identity_tensor(make_shape(Int<TileM>{}, Int<TileN>{}));

@@ -2,7 +2,8 @@
 //
 // Per call, on the caller's stream, nothing read back to the host (CUDA-graph capturable): ONE
 // launch, the CUTLASS ptr-array kernel (persistent, grid = #SMs) with our mainloop
-// (moe_gemm_mainloop.hpp) and epilogue (moe_gemm_epilogue.hpp). Its grouped tile scheduler reads
+// (moe_gemm_mainloop.hpp) and epilogue (moe_gemm_epilogue.hpp), over the rows of each expert that
+// the launch's row window takes (moe_rows.hpp). Its grouped tile scheduler reads
 // the per-expert problem shapes through MoeProblemShape, straight from expand's offsets (a setup
 // kernel used to write them out first: one launch and ~1.5-3 us per GEMM at decode). Its TMA
 // descriptors are static kernel parameters over all experts; the scheduler's workspace is carved
@@ -27,6 +28,7 @@
 
 #include "moe_gemm_mainloop.hpp"
 #include "moe_gemm_epilogue.hpp"
+#include "moe_rows.hpp"
 
 namespace moe_cutlass {
 
@@ -36,20 +38,23 @@ constexpr int kRowPad = 128;
 constexpr int kKPad = 64;
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// The grouped GEMM's problem shapes, (Npad, rows_e, Kp) for expert e, computed from expert_offsets
-// where the kernel asks for them: the interface of cutlass::gemm::GroupProblemShape with
-// device-only shapes. Malformed offsets (negative, decreasing) give 0 rows: the expert is skipped.
+// The grouped GEMM's problem shapes, (Npad, this launch's rows of expert e, Kp), computed from
+// expert_offsets and the launch's row window (moe_rows.hpp) where the kernel asks for them: the
+// interface of cutlass::gemm::GroupProblemShape with device-only shapes. An expert without rows in
+// the window is skipped.
 struct MoeProblemShape {
   using UnderlyingProblemShape = Shape<int, int, int>;
   int32_t num_groups = 1;
   int32_t const* offsets = nullptr;
   int32_t m_pad = 0;
   int32_t k_pad = 0;
+  MoeRowWindow window;
 
   CUTLASS_HOST_DEVICE int32_t groups() const { return num_groups; }
   CUTLASS_DEVICE UnderlyingProblemShape get_problem_shape(int32_t group) const {
-    int32_t const lo = offsets[group], hi = offsets[group + 1];
-    return {m_pad, (lo < 0 || hi < lo) ? 0 : hi - lo, k_pad};
+    int32_t first, count;
+    window.rows(offsets[group], offsets[group + 1], first, count);
+    return {m_pad, count, k_pad};
   }
   CUTLASS_HOST_DEVICE UnderlyingProblemShape get_host_problem_shape(int32_t = 0) const { return {}; }
   CUTLASS_HOST_DEVICE bool is_host_problem_shape_available() const { return false; }
@@ -84,7 +89,7 @@ inline typename Cfg::Gemm::Arguments make_args(int E, int sm_count, typename Cfg
                                                MoeEpilogueArguments const& epi) {
   typename Cfg::Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {E, ml.offsets, ml.m_pad, ml.k_pad};
+  args.problem_shape = {E, ml.offsets, ml.m_pad, ml.k_pad, ml.window};
   args.mainloop = ml;
   args.epilogue = epi;
   args.hw_info.device_id = 0;
@@ -131,7 +136,7 @@ inline size_t moe_gemm_workspace_size(int32_t E, int32_t num_sms) {
 struct MoeParamKey {
   int device;
   const void* ptrs[8];
-  int32_t E, N, K, act_rows, scale_max, activation;
+  int32_t E, N, K, act_rows, scale_max, activation, row_chunk, rem_lo, rem_hi;
   float alpha, limit;
   size_t workspace_bytes;
 };
@@ -161,13 +166,16 @@ struct MoeParamCache {
 
 template <class Cfg, int Kind>
 inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float* bias, const void* act,
-                        int32_t act_rows, const int32_t* expert_offsets, const float* row_weights, void* out,
+                        int32_t act_rows, const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo,
+                        int32_t rem_hi, const float* row_weights, void* out,
                         int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha, float swiglu_limit, void* workspace,
                         size_t workspace_bytes, cudaStream_t stream) {
   constexpr int kInvalid = int(cudaErrorInvalidValue);
   if (E <= 0 || N <= 0 || K <= 0 || (K % 32) != 0 || (N % 32) != 0 || act_rows <= 0) return kInvalid;
   if (int64_t(N) * 2 >= (int64_t(1) << 31) || int64_t(K) >= (int64_t(1) << 24)) return kInvalid;
   if (!w_blocks || !w_scales || !act || !expert_offsets || !out) return kInvalid;
+  if (!MoeRowWindow::valid(row_chunk, rem_lo, rem_hi)) return kInvalid;
+  MoeRowWindow const window = MoeRowWindow::make(row_chunk, rem_lo, rem_hi);
   if (Kind == 2 && !row_weights) return kInvalid;
   if (scale_max < 0 || scale_max > 255) return kInvalid;
   if (Kind == 1 && (activation < 0 || activation > 1)) return kInvalid;
@@ -190,6 +198,7 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
   epi.bias = bias;
   epi.row_weights = row_weights;
   epi.offsets = expert_offsets;
+  epi.window = window;
   epi.n_real = N;
   epi.m_pad = m_pad;
   epi.activation = activation;
@@ -201,6 +210,7 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
   key.ptrs[0] = w_blocks; key.ptrs[1] = w_scales; key.ptrs[2] = bias; key.ptrs[3] = act;
   key.ptrs[4] = expert_offsets; key.ptrs[5] = row_weights; key.ptrs[6] = out; key.ptrs[7] = workspace;
   key.E = E; key.N = N; key.K = K; key.act_rows = act_rows; key.scale_max = scale_max; key.activation = activation;
+  key.row_chunk = row_chunk; key.rem_lo = rem_lo; key.rem_hi = rem_hi;
   key.alpha = swiglu_alpha; key.limit = swiglu_limit; key.workspace_bytes = workspace_bytes;
 
   auto& cache = MoeParamCache<Cfg>::get();
@@ -220,6 +230,7 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
     ml.w_scales = reinterpret_cast<uint8_t const*>(w_scales);
     ml.act = reinterpret_cast<cutlass::bfloat16_t const*>(act);
     ml.offsets = expert_offsets;
+    ml.window = window;
     ml.num_experts = E;
     ml.act_rows = act_rows;
     ml.m_pad = m_pad;

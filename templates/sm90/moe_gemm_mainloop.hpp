@@ -67,6 +67,7 @@
 #include "cute/atom/mma_atom.hpp"
 #include "cute/algorithm/gemm.hpp"
 
+#include "moe_rows.hpp"
 #include "mxfp4_math.cuh"
 
 namespace moe_cutlass {
@@ -164,6 +165,7 @@ struct Mxfp4MoeMainloop {
     ElementScale const* w_scales;  // [E][Kp/32][Npad] E8M0 bytes
     ElementB const* act;           // [act_rows][K] tokens in expert order
     int32_t const* offsets;        // [E+1] expert row offsets into act (device)
+    MoeRowWindow window;           // which of each expert's rows this launch takes
     int num_experts = 0;
     int act_rows = 0;              // rows the act buffer holds (>= offsets[E])
     int m_pad = 0;                 // Npad: weight rows (and scale row stride), multiple of TileM
@@ -205,6 +207,7 @@ struct Mxfp4MoeMainloop {
     TMA_S tma_load_scale;
     uint32_t tma_transaction_bytes = TmaTransactionBytes;
     int32_t const* offsets;
+    MoeRowWindow window;
     int num_experts;
     int act_rows;
     int m_pad;
@@ -232,7 +235,7 @@ struct Mxfp4MoeMainloop {
       make_tma_copy(GmemTiledCopyScale{}, tS, SmemLayoutScale{}(_, _, Int<0>{}),
                     make_shape(Int<TileM>{}, Int<Groups>{}), _1{}),
       TmaTransactionBytes,
-      args.offsets, args.num_experts, args.act_rows,
+      args.offsets, args.window, args.num_experts, args.act_rows,
       args.m_pad, args.k_pad, args.k_real, int(args.scale_max > kFastScaleMax)};
     return p;
   }
@@ -537,9 +540,11 @@ struct Mxfp4MoeMainloop {
   CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const& input_tensors, Params const& p,
                                                      ProblemShape_MNKL, int32_t next_group) {
     InputTensors updated = input_tensors;
+    int32_t first, count;
+    p.window.rows(p.offsets[next_group], p.offsets[next_group + 1], first, count);
     get<5>(updated) = next_group;
-    get<6>(updated) = p.offsets[next_group];
-    get<7>(updated) = p.offsets[next_group + 1];
+    get<6>(updated) = first;
+    get<7>(updated) = first + count;
     return updated;
   }
 };

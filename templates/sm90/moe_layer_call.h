@@ -19,10 +19,24 @@ extern "C" {
 
 /* The signature of every mc_sm90_moe_gemm* entry point (each GEMM instantiation checks it). */
 typedef int (*McGemmFn)(const void* w_blocks, const void* w_scales, const float* bias, const void* act,
-                        int32_t act_rows, const int32_t* expert_offsets, const float* row_weights, void* out,
+                        int32_t act_rows, const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo,
+                        int32_t rem_hi, const float* row_weights, void* out,
                         int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation,
                         float swiglu_alpha, float swiglu_limit, void* workspace, size_t workspace_bytes,
                         cudaStream_t stream);
+/* The GEMM launches of a call: each GEMM as num_parts launches, part p with configs gemm1[p] / gemm2[p]
+ * over the rows that the window (row_chunk, rem_lo[p], rem_hi[p]) takes of every expert (moe_rows.hpp):
+ * the device decides which part, so which token tile, each expert's rows go to. Unused entries are 0. */
+#define MC_MAX_GEMM_PARTS 4
+struct McGemmPlan {
+  McGemmFn gemm1[MC_MAX_GEMM_PARTS];
+  McGemmFn gemm2[MC_MAX_GEMM_PARTS];
+  int32_t rem_lo[MC_MAX_GEMM_PARTS];
+  int32_t rem_hi[MC_MAX_GEMM_PARTS];
+  int32_t row_chunk;
+  int32_t num_parts;
+};
+
 /* The signature of the one-launch layer (mc_sm90_moe_decode): the whole call from its argument block. */
 typedef int (*McFusedFn)(void* call);
 
@@ -34,8 +48,7 @@ struct McLayerCall {
   void* out;                       /* bf16 [num_tokens, hidden_size] */
   int64_t num_tokens;
   cudaStream_t stream;
-  McGemmFn gemm1;                  /* the GEMM1 and GEMM2 configs for this many rows per expert */
-  McGemmFn gemm2;
+  const struct McGemmPlan* plan;   /* the GEMM launches for this many rows per expert (read during the call only) */
   McFusedFn fused;                 /* non-NULL: the whole layer in this one launch instead (small batches) */
   /* per layer, workspace and options */
   int64_t ids_int64;
