@@ -119,13 +119,14 @@ def split_plan(rows: int, num_experts: int) -> Plan:
 
 
 def plan(rows: int, num_experts: int, available=None, batch_invariant=False) -> Plan:
-    """The GEMM launches of a call with `rows` (M * top_k) rows: pick_config's one tile up to
+    """The GEMM launches of a call with `rows` (M * top_k) rows (available: the GEMM1 configs the
+    library holds, as for pick_config; GEMM2's follow them): pick_config's one tile up to
     SPLIT_MIN_ROWS rows per expert (streaming tiles) and for batch_invariant (whose bits must not
     depend on which part a row lands in), split_plan's parts above."""
     if batch_invariant or rows / max(1, num_experts) <= SPLIT_MIN_ROWS:
         return single(pick_config(1, rows, num_experts, available, batch_invariant))
     p = split_plan(rows, num_experts)
-    if available is not None and not all(c in available for part in p.parts for c in part[:2]):
+    if available is not None and not all(part[0] in available for part in p.parts):
         return single(pick_config(1, rows, num_experts, available, batch_invariant))
     return p
 

@@ -116,5 +116,7 @@ def test_plan_splits_only_above_the_streaming_tiles():
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(1024 * 8, 128).parts] == [96, 64]      # qwen3
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(4096 * 4, 128).parts] == [128, 96, 64, 32]
     assert _gemm.plan(4096 * 4, 128, batch_invariant=True) == _gemm.single("moe_gemm1_m128n128k128_coop")
+    every = [f"moe_gemm1_{t}" for t in _gemm.SPLIT_TILES]   # GEMM1 names, as ops passes configs_of(1)
+    assert len(_gemm.plan(4096 * 4, 128, available=every).parts) == 4
     only = ["moe_gemm1_m128n128k128_coop", "moe_gemm1_m128n32k128_coop"]   # a partial build: one tile
     assert _gemm.plan(4096 * 4, 128, available=only) == _gemm.single("moe_gemm1_m128n128k128_coop")
