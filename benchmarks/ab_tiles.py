@@ -2,6 +2,7 @@
 moe_cutlass/_gemm.pick_config's thresholds and _gemm.plan's split into per-expert parts.
 
 usage: python -m benchmarks.ab_tiles [--configs a,b] [--ms 16,64,...] [--tiles n8k256,...,plan] [--reps 30]
+(a tile is a 128-row cooperative tile such as n64k128, or a whole config suffix such as m64n128k128_pingpong)
 
 For every shape and M, the whole layer runs once per candidate, as CUDA-graph replay with the L2
 flushed: a tile (one launch per GEMM over every row, the same tile for both GEMMs), or "plan",
@@ -39,7 +40,8 @@ def time_tiles(name, tokens, tiles, timer, floors, gen):
         plan = _gemm.plan(M * k, E, _gemm.configs_of(1))
         picked = label(plan)
         for tile in tiles:
-            forced = plan if tile == "plan" else _gemm.single(f"moe_gemm1_m128{tile}_coop")
+            forced = plan if tile == "plan" else _gemm.single(f"moe_gemm1_{tile}" if "_" in tile else
+                                                              f"moe_gemm1_m128{tile}_coop")
             tile = label(forced) if tile == "plan" else tile
             ops._gemms.cache_clear()  # the layer caches its plan per batch size
             with mock.patch.object(_gemm, "plan", lambda *a, forced=forced, **kw: forced):
