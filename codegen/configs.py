@@ -37,21 +37,19 @@ ARCH_FLAGS = {
 # and 64x16 pingpong lost everywhere and were dropped; 128x64x128 wins at 33..64 rows per expert,
 # where 128x32 needs two tiles and 128x128 pads half of one. 128x96x128 serves the split plans
 # (_gemm.split_plan): an expert's remainder of 65..96 rows in one tile instead of a 128-row one.
-SM90_GEMM_TILES = ((128, 32, 128), (128, 64, 128), (128, 96, 128), (128, 128, 128), (128, 16, 256), (128, 8, 256),
-                   (128, 128, 64))
+# A/B'd and dropped (bench_20261201T015430Z, M = 1024..16384, all four shapes): 64x128x128
+# pingpong 10-50% slower than 128x128x128 cooperative (even at qwen3's K = 768), 128x128x64
+# 1-13% slower (gpt-oss's K = 2880 pads to 2944 with TileK 128, but the extra k iterations cost more).
+SM90_GEMM_TILES = ((128, 32, 128), (128, 64, 128), (128, 96, 128), (128, 128, 128), (128, 16, 256), (128, 8, 256))
 
 
-SM90_GEMM_PINGPONG_TILES = ((64, 128, 128),)
-
-
-def _gemm_configs(tiles, pingpong=False) -> list:
-    schedule = "pingpong" if pingpong else "coop"
-    return [KernelConfig(f"moe_gemm{kind}_m{m}n{n}k{k}_{schedule}", "moe_gemm.cu.j2",
-                         {"kind": kind, "tile_m": m, "tile_n": n, "tile_k": k, "pingpong": pingpong})
+def _gemm_configs(tiles) -> list:
+    return [KernelConfig(f"moe_gemm{kind}_m{m}n{n}k{k}_coop", "moe_gemm.cu.j2",
+                         {"kind": kind, "tile_m": m, "tile_n": n, "tile_k": k, "pingpong": False})
             for m, n, k in tiles for kind in (1, 2)]
 
 
 KERNELS = {
     "sm90": [KernelConfig("routing", "routing.cu.j2"), KernelConfig("moe_decode", "moe_decode.cu.j2"),
-             *_gemm_configs(SM90_GEMM_TILES), *_gemm_configs(SM90_GEMM_PINGPONG_TILES, pingpong=True)],
+             *_gemm_configs(SM90_GEMM_TILES)],
 }
