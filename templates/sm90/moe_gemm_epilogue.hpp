@@ -102,37 +102,59 @@ class MoeEpilogue {
     float const* bias = params.bias ? params.bias + int64_t(e) * params.m_pad : nullptr;
     cutlass::bfloat16_t* out = reinterpret_cast<cutlass::bfloat16_t*>(params.out);
 
+    // accumulator value mode = (2 cols, 2 row halves (+8), TileN/8 col blocks); MMA_M = MMA_N = 1:
+    // value c + 2h + 4j is this thread's (row m_h, column 8j + c'), m_h the same for every j and c.
+    static_assert(size<1>(FrgLayout{}) == 1 && size<2>(FrgLayout{}) == 1, "one atom per warpgroup");
+    static_assert(size<0>(FrgLayout{}) == TileN / 2, "m64nNk16 accumulator");
+    // Every global load before the first store: the compiler may not move a load above a bf16 store
+    // (they could alias), so the loads in the store loop each waited for L1 or L2 in turn; ncu at
+    // qwen3 M=4096 found GEMM2 stalled on L1TEX in 43% of its cycles (benchmarks/NOTES.md).
+    int const m_lo = m0 + get<0>(tCcD(0)), m_hi = m0 + get<0>(tCcD(2));
+    float const b_lo = bias ? bias[m_lo] : 0.f, b_hi = bias ? bias[m_hi] : 0.f;
+
     if constexpr (Kind == 2) {
+      float w[TileN / 8][2];
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(acc); ++i) {
-        int const m = m0 + get<0>(tCcD(i));
-        int const n = n0 + get<1>(tCcD(i));
-        if (m < params.n_real && n < n_rows) {
-          int64_t const r = row_base + n;
-          float v = acc(i);
-          if (bias) v += bias[m];
-          v *= params.row_weights[r];
-          out[r * params.n_real + m] = cutlass::bfloat16_t(v);
+      for (int j = 0; j < TileN / 8; ++j) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 2; ++c) {
+          int const n = n0 + get<1>(tCcD(c + 4 * j));
+          w[j][c] = n < n_rows ? params.row_weights[row_base + n] : 0.f;
+        }
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < TileN / 8; ++j) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          int const m = h ? m_hi : m_lo;
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < 2; ++c) {
+            int const i = c + 2 * h + 4 * j;
+            int const n = n0 + get<1>(tCcD(i));
+            if (m < params.n_real && n < n_rows) {
+              float v = acc(i);
+              if (bias) v += h ? b_hi : b_lo;
+              v *= w[j][c];
+              out[(row_base + n) * params.n_real + m] = cutlass::bfloat16_t(v);
+            }
+          }
         }
       }
     } else {
-      // accumulator value mode = (2 cols, 2 row halves (+8), TileN/8 col blocks); MMA_M = MMA_N = 1
-      static_assert(size<1>(FrgLayout{}) == 1 && size<2>(FrgLayout{}) == 1, "one atom per warpgroup");
-      static_assert(size<0>(FrgLayout{}) == TileN / 2, "m64nNk16 accumulator");
+      // gate row m_lo, up row m_hi = m_lo + 8 (layout.py's paired order)
       int const inter = params.n_real / 2;
       float const L = params.limit;
+      int const col = (m_lo >> 4) * 8 + (m_lo & 7);
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < TileN / 8; ++j) {
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < 2; ++c) {
           int const ig = c + 4 * j;        // (c, row half 0, j): gate
           int const iu = ig + 2;           // (c, row half 1, j): up, row + 8
-          int const m = m0 + get<0>(tCcD(ig));
           int const n = n0 + get<1>(tCcD(ig));
-          int const col = (m >> 4) * 8 + (m & 7);
           if (col < inter && n < n_rows) {
             float g = acc(ig), u = acc(iu);
-            if (bias) { g += bias[m]; u += bias[m + 8]; }
+            if (bias) { g += b_lo; u += b_hi; }
             float const r = mc_activation(g, u, params.activation, params.alpha, L);
             out[(row_base + n) * inter + col] = cutlass::bfloat16_t(r);
           }
