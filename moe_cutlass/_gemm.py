@@ -92,6 +92,11 @@ def single(config1: str, config2: str = None) -> Plan:
 SPLIT_TILES = ("m128n128k128_coop", "m128n96k128_coop", "m128n64k128_coop", "m128n32k128_coop")
 SPLIT_MIN_ROWS = 12   # rows per expert above which plan() splits (pick_config's 8/16-token tiles below)
 SPREAD_SDS = 3.0
+# From this many rows per expert on, every part is launched, whatever the spread says: a skewed
+# routing's remainders are then still in the tile that fits them (dsv4-flash at M = 4096, 96 rows
+# per expert: waste 1.52 -> 1.16 under Dirichlet routing in the tile_waste simulation), and a part
+# without rows costs a few microseconds against layers of 2.5 ms and more there.
+ALL_PARTS_ROWS = 96
 
 
 def split_plan(rows: int, num_experts: int) -> Plan:
@@ -107,13 +112,13 @@ def split_plan(rows: int, num_experts: int) -> Plan:
     lo, hi = max(0.0, mean - SPREAD_SDS * math.sqrt(mean)), mean + SPREAD_SDS * math.sqrt(mean)
     sizes = [tile_n(t) for t in SPLIT_TILES]
     chunk = next((n for n in reversed(sizes) if n >= hi and n & (n - 1) == 0), sizes[0])   # a power of two
-    needed = {chunk} if hi >= chunk else set()   # full chunks expected
+    needed = {chunk} if hi >= chunk or mean >= ALL_PARTS_ROWS else set()   # full chunks expected
     for r in range(int(lo), int(math.ceil(hi)) + 1):
         if r % chunk:
             needed.add(min(n for n in sizes if n >= r % chunk))
     # The largest kept part also takes the full chunks and any remainder above it (its window ends
     # at the chunk): rows past the expected spread, in more than one of its tiles.
-    kept = [(t, n) for t, n in zip(SPLIT_TILES, sizes) if n <= chunk and n in needed]
+    kept = [(t, n) for t, n in zip(SPLIT_TILES, sizes) if n <= chunk and (n in needed or mean >= ALL_PARTS_ROWS)]
     return Plan(chunk, tuple((f"moe_gemm1_{t}", f"moe_gemm2_{t}", kept[i + 1][1] if i + 1 < len(kept) else 0,
                               chunk if i == 0 else n) for i, (t, n) in enumerate(kept)))
 
