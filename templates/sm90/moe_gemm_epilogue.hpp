@@ -10,6 +10,10 @@
 //   and up row m+8 (WGMMA accumulator value modes (col, row+8, col+8)), applies bias +
 //   activation and writes inter[row, 8b + i] in bf16 (half width, written once).
 // Kind 2 (GEMM2): y[row, m] = w[row] * (acc + b2[m]).
+// Unlike default_epilogue_array, every global load (bias, row weights) is issued before the first
+// store: inside the store loop each load waited for the one before (possible aliasing), which cost
+// GEMM2 up to a third of its time at short K (qwen3 K = 768: 301 -> 457 useful TFLOP/s at M = 16384,
+// benchmarks/results/profile_20261201T015128Z.json -> profile_20261201T015930Z.json).
 #pragma once
 
 #include "cutlass/cutlass.h"

@@ -27,7 +27,8 @@
 //     has no e2m1 fast path on SM90 (generic ~100 instr/value converter).
 //  4. Static TMA descriptors over all experts, encoded once on the host: A as (256 B, unit rows,
 //     slabs, E), scales as (Npad, Kp/32, E), B as the whole act buffer (rows, K) with the tile's
-//     first row offsets[e] + n * TileN (DeepGEMM's "contiguous layout"; the epilogue masks rows past
+//     first row offsets[e] (+ the launch's row window, moe_rows.hpp) + n * TileN (DeepGEMM's
+//     "contiguous layout"; the epilogue masks rows past
 //     the expert, and a tile that runs past them loads B in 8-row chunks, the chunks wholly past
 //     pointed out of bounds so TMA zero-fills them without reading). Upstream rewrites A, B and scale descriptors in smem,
 //     fences them and publishes them to global memory on every group change (tensormap.replace;
