@@ -17,6 +17,7 @@ refuses to run while a CUDA graph is being captured; calls with batch_invariant=
 tiles. `clear()` returns to the built-in rule.
 """
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -43,21 +44,39 @@ def _routing(M, E, k, gen, device):
     return torch.rand(M, k, device=device, generator=gen).softmax(dim=1), ids
 
 
-def _time_us(fn, reps) -> float:
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(3):
+# Device cycles the GPU sleeps before each timed call, while the host enqueues it: the events then
+# time the call's kernels, not its host time (~12 us eager at M = 1 on the H200 machines).
+_SLEEP_CYCLES = 200_000
+
+
+def _time_interleaved(fns, reps) -> list:
+    """Median device microseconds of each fn(r) (r < reps * len(fns): the routing it runs), the candidates interleaved call by call (in an order
+    rotated per repetition) so that a drift of the GPU's clocks during tuning (a long run heats it)
+    reaches every candidate alike; timing them one after another favoured the first ones by up to 10%
+    (benchmarks/NOTES.md)."""
+    for fn in fns:
         fn(0)
-    start.record()
+    events = []
     for i in range(reps):
-        fn(i)
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) * 1000.0 / reps
+        for k in range(len(fns)):
+            j = (i + k) % len(fns)
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(_SLEEP_CYCLES)
+            start.record()
+            fns[j](i * len(fns) + j)   # a routing of its own: no candidate finds another's weights in L2
+            stop.record()
+            events.append((j, start, stop))
+    torch.cuda.synchronize()
+    times = [[] for _ in fns]
+    for j, start, stop in events:
+        times[j].append(start.elapsed_time(stop) * 1000.0)
+    return [statistics.median(t) for t in times]
 
 
 def autotune(experts, top_k: int, num_tokens=DEFAULT_TOKENS, reps: int = 20, seed: int = 0, install: bool = True) -> dict:
-    """Times every candidate tile pair for each batch size in num_tokens on experts' GPU (each
-    repetition on a fresh random routing, so the weights do not sit in L2) and returns the table
+    """Times every candidate tile pair for each batch size in num_tokens on experts' GPU (device
+    time, median of reps, the candidates interleaved; each repetition on a fresh random routing, so
+    the weights do not sit in L2) and returns the table
     {"device", "E", "H", "I", "top_k", "choices": {M: [gemm1, gemm2]}, "us": {M: {gemm1: us}}};
     with install=True fused_moe uses it from now on."""
     if torch.cuda.is_current_stream_capturing():
@@ -81,12 +100,15 @@ def autotune(experts, top_k: int, num_tokens=DEFAULT_TOKENS, reps: int = 20, see
     try:
         for M in ms:
             x = torch.randn(M, H, device=device, generator=gen).to(torch.bfloat16)
-            routings = [_routing(M, E, top_k, gen, device) for _ in range(reps)]
+            routings = [_routing(M, E, top_k, gen, device) for _ in range(reps * len(pairs))]
             out = torch.empty(M, H, dtype=torch.bfloat16, device=device)
-            times[M] = {}
-            for pair in pairs:
-                _gemm.set_tuned(name, E, H, I, top_k, {M: pair})   # force this pair for the timing
-                times[M][pair[0]] = _time_us(lambda i: fused_moe(x, experts, *routings[i], out=out), reps)
+            def call(pair):
+                def run(i):
+                    _gemm.set_tuned(name, E, H, I, top_k, {M: pair})   # force this pair for the timing
+                    fused_moe(x, experts, *routings[i], out=out)
+                return run
+
+            times[M] = dict(zip((p[0] for p in pairs), _time_interleaved([call(p) for p in pairs], reps)))
             best = min(pairs, key=lambda p: times[M][p[0]])
             choices[M] = list(best)
     finally:
