@@ -353,10 +353,6 @@ template <class... P>
 inline cudaError_t launch(void (*kernel)(P...), int grid, cudaStream_t stream, NodeUpdate* update,
                           typename Same<P>::type... args) {
   if (update == nullptr) {
-    // The GEMMs between these kernels run with the largest shared-memory carveout; these would get
-    // a small one, and each switch of an SM's carveout waits for the SM to drain.
-    cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributePreferredSharedMemoryCarveout,
-                         int(cudaSharedmemCarveoutMaxShared));
     kernel<<<grid, kThreads, 0, stream>>>(args...);
     return cudaGetLastError();
   }
