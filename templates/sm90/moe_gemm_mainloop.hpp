@@ -386,22 +386,15 @@ struct Mxfp4MoeMainloop {
     int const a_off = slab * 2048 * UnitsPerTile + wg_thread * 16;         // conflict-free 128-bit loads
     int const row0 = slab * 64 + (wg_thread / 32) * 16 + (wg_thread % 32) / 4;   // rows row0, row0+8
 
-    // The last k tile may run past Kp (gpt-oss: K = 2880 is 11.25 tiles of 256): its k-blocks past
-    // Kp hold only TMA's zero fill, so they are neither converted nor multiplied (the sum gains
-    // only zeros from them). kb_last: the k-blocks of the last tile that lie below Kp.
-    int const kb_last = (p.k_pad - (k_tile_count - 1) * TileK) / 16;
-    auto kb_valid = [&](int tiles_left) { return tiles_left == 1 ? kb_last : KBlocks; };
-
-    // Loads stage `stage` (A words + scales) and converts its first `kbs` k-blocks into `frag`. The
-    // scale path is fixed per weight tensor (one branch per call, around the whole k loop; no
-    // per-byte tests): kSlow multiplies twice.
-    auto convert_tile = [&](auto slow, int stage, auto& frag, int kbs) {
+    // Loads stage `stage` (A words + scales) and converts the whole k tile into `frag`. The scale
+    // path is fixed per weight tensor (one branch per call, around the whole k loop; no per-byte
+    // tests): kSlow multiplies twice.
+    auto convert_tile = [&](auto slow, int stage, auto& frag) {
       constexpr bool kSlow = decltype(slow)::value;
       uint32_t words[KBlocks];
       CUTLASS_PRAGMA_UNROLL
       for (int u = 0; u < UnitsPerTile; ++u) {
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (4 * u < kbs) v = *reinterpret_cast<uint4 const*>(sA_bytes + stage * TmaBytesA + a_off + u * 2048);
+        uint4 v = *reinterpret_cast<uint4 const*>(sA_bytes + stage * TmaBytesA + a_off + u * 2048);
         words[4 * u + 0] = v.x; words[4 * u + 1] = v.y; words[4 * u + 2] = v.z; words[4 * u + 3] = v.w;
       }
       uint32_t sc[Groups][2];
@@ -417,7 +410,6 @@ struct Mxfp4MoeMainloop {
       Tensor frag_u32 = recast<uint32_t>(frag);                          // (4,1,KBlocks)
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < KBlocks; ++kb) {
-        if (kb >= kbs) continue;
 #ifdef MC_PROBE_NO_CONVERT   // development probe only: measures the pipeline without the converter
         frag_u32(0, 0, kb) = words[kb];
         frag_u32(1, 0, kb) = words[kb] ^ sc[kb / 2][0];
@@ -459,7 +451,7 @@ struct Mxfp4MoeMainloop {
       {
         auto token = pipeline.consumer_try_wait(smem_pipe_read);
         pipeline.consumer_wait(smem_pipe_read, token);
-        convert_tile(slow, smem_pipe_read.index(), tCrA0, kb_valid(k_tile_count));
+        convert_tile(slow, smem_pipe_read.index(), tCrA0);
       }
       auto step = [&](auto& frag_now, auto& frag_next) {
         int const stage = smem_pipe_read.index();
@@ -467,11 +459,9 @@ struct Mxfp4MoeMainloop {
         warpgroup_fence_operand(accum);
         if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
         if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
-        int const kbs = kb_valid(k_tile_count);
         warpgroup_arrive();
         CUTLASS_PRAGMA_UNROLL
         for (int kb = 0; kb < KBlocks; ++kb) {
-          if (kb >= kbs) continue;
 #ifdef MC_PROBE_NO_MMA   // development probe only: the pipeline without tensor-core work
           if (kb >= 0) continue;
 #endif
@@ -490,7 +480,7 @@ struct Mxfp4MoeMainloop {
         if (k_tile_count > 1) {
           auto token = pipeline.consumer_try_wait(smem_pipe_read);
           pipeline.consumer_wait(smem_pipe_read, token);
-          convert_tile(slow, smem_pipe_read.index(), frag_next, kb_valid(k_tile_count - 1));
+          convert_tile(slow, smem_pipe_read.index(), frag_next);
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(accum);
