@@ -120,12 +120,14 @@ class Build:
             headers = cache.parse_depfile(tmp_dep.read_text())
             okey = cache.object_key(skey, headers, self.digests)
             kernels = report.parse_ptxas(proc.stdout + proc.stderr)
+            notes = report.gmma_notes(proc.stdout + proc.stderr)
             seconds = time.monotonic() - start
             record = {
                 "command": compile_cmd,
                 "compile_seconds": round(seconds, 1),
                 "hgmma": report.has_hgmma(self.toolchain.cuobjdump, str(tmp_obj)),
                 "kernels": kernels,
+                "gmma_notes": notes,
             }
             obj = self.obj_dir / f"{name}.{okey[:16]}.o"
             # The .o appears last: its presence means the sidecar and deps are complete.
@@ -140,6 +142,8 @@ class Build:
         self.progress(
             f"built {name} in {seconds:.1f}s: {len(kernels)} kernels, max {summary['max_registers']} registers, "
             f"{summary['spill_bytes']} spill bytes"
+            + (f"; WARNING: ptxas serialized its GMMAs ({', '.join(f'{c} x{n}' for c, n in notes.items())})"
+               if notes else "")
         )
         return ObjectResult(name, obj, record, cached=False, seconds=seconds)
 
@@ -250,6 +254,7 @@ def build(arch: str, only=None, jobs: int | None = None, gen_dir: Path | None = 
                 "object": str(r.path),
                 "cached": r.cached,
                 **{k: r.record[k] for k in ("compile_seconds", "hgmma", "kernels")},
+                "gmma_notes": r.record.get("gmma_notes", {}),
                 **report.summarize(r.record["kernels"]),
             }
             for r in (results[k["name"]] for k in kernels)

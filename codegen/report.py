@@ -26,6 +26,21 @@ def parse_ptxas(log: str) -> list:
     return [kernels[name] for name in sorted(kernels)]
 
 
+# ptxas's performance notes about warpgroup MMAs, e.g. "(C7519) warpgroup.arrive is injected ... to
+# allow use of registers in GMMA" or "(C7510) Potential Performance Loss: wgmma.mma_async
+# instructions are serialized": a mainloop that draws one runs its GMMAs one at a time (a runtime
+# test among the GMMAs of a k tile made every GEMM twice as slow on the H200, benchmarks/NOTES.md).
+_GMMA_NOTE = re.compile(r"\((C75\d\d)\)[^\n]*(?:GMMA|wgmma|warpgroup)", re.IGNORECASE)
+
+
+def gmma_notes(log: str) -> dict:
+    """{ptxas note code: count} of the notes that say GMMAs lost their overlap; {} for a clean object."""
+    notes = {}
+    for m in _GMMA_NOTE.finditer(log):
+        notes[m[1]] = notes.get(m[1], 0) + 1
+    return dict(sorted(notes.items()))
+
+
 def has_hgmma(cuobjdump: str | None, obj: str) -> bool | None:
     """Whether the object's SASS uses warpgroup MMA; None without a working cuobjdump (it needs
     nvdisasm beside it or on PATH): the report then says "unknown" rather than failing a build."""

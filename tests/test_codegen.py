@@ -225,3 +225,23 @@ def test_gemm_instantiations_compile_without_spills_and_use_hgmma(tmp_path):
         assert 100_000 < obj["dynamic_smem_bytes"] <= 227 * 1024, "pipeline stages should fill shared memory"
         if report["cuobjdump"] is not None:
             assert obj["hgmma"] is True, f"{name}: no HGMMA in the SASS (or cuobjdump failed: False / None)"
+
+
+def test_the_report_catches_serialized_gmmas():
+    """ptxas's notes that GMMAs lost their overlap (seen when a runtime test sat among a k tile's
+    GMMAs: every GEMM ran twice as slow) are counted per code; the usual ptxas -v lines are not."""
+    from codegen import report
+
+    kernel = "_ZN7cutlass13device_kernelI"
+    log = "\n".join([
+        f"ptxas info    : Compiling entry function '{kernel}' for 'sm_90a'",
+        f"ptxas info    : (C7519) warpgroup.arrive is injected in around line 1905 by compiler to allow use of "
+        f"registers in GMMA in function '{kernel}'",
+        f"ptxas info    : (C7519) warpgroup.arrive is injected in around line 1929 by compiler to allow use of "
+        f"registers in GMMA in function '{kernel}'",
+        "ptxas info    : (C7510) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+        "the presence of Extern calls",
+        "ptxas info    : Used 168 registers, used 1 barriers, 16 bytes smem",
+    ])
+    assert report.gmma_notes(log) == {"C7510": 1, "C7519": 2}
+    assert report.gmma_notes(log.split("\n")[0] + "\n" + log.split("\n")[-1]) == {}
