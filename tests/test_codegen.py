@@ -221,6 +221,7 @@ def test_gemm_instantiations_compile_without_spills_and_use_hgmma(tmp_path):
     for name in names:
         obj = report["objects"][name]
         assert obj["spill_bytes"] == 0, f"{name} spills"
+        assert obj["gmma_notes"] == {}, f"{name}: ptxas serialized its GMMAs {obj['gmma_notes']}"
         assert all(k["registers"] > 0 for k in obj["kernels"])
         assert 100_000 < obj["dynamic_smem_bytes"] <= 227 * 1024, "pipeline stages should fill shared memory"
         if report["cuobjdump"] is not None:
