@@ -112,7 +112,7 @@ def split_plan(rows: int, num_experts: int) -> Plan:
     lo, hi = max(0.0, mean - SPREAD_SDS * math.sqrt(mean)), mean + SPREAD_SDS * math.sqrt(mean)
     sizes = [tile_n(t) for t in SPLIT_TILES]
     chunk = next((n for n in reversed(sizes) if n >= hi and n & (n - 1) == 0), sizes[0])   # a power of two
-    needed = {chunk} if hi >= chunk or mean >= ALL_PARTS_ROWS else set()   # full chunks expected
+    needed = {chunk} if hi >= chunk else set()   # full chunks expected
     for r in range(int(lo), int(math.ceil(hi)) + 1):
         if r % chunk:
             needed.add(min(n for n in sizes if n >= r % chunk))

@@ -337,16 +337,19 @@ def test_compiled_router_and_layer_match_the_reference():
 
 
 def test_layer_call_matches_the_c_struct():
-    """ops.LayerCall mirrors struct McLayerCall (templates/sm90/moe_layer_call.h) field by field: the
-    built library reports the compiler's offsets (no GPU needed to load it)."""
+    """ops.LayerCall and ops.GemmPlan mirror struct McLayerCall and struct McGemmPlan
+    (templates/sm90/moe_layer_call.h, MC_MAX_GEMM_PARTS included) field by field: the built library
+    reports the compiler's offsets (no GPU needed to load it)."""
     try:
         lib = _lib.library()
     except _lib.LibraryNotFound:
         pytest.skip("the kernel library is not built")
-    fields = [name for name, _ in ops.LayerCall._fields_]
-    layout = (ctypes.c_int64 * (len(fields) + 1))()
+    want = []
+    for struct_type in (ops.LayerCall, ops.GemmPlan):
+        want += [getattr(struct_type, name).offset for name, _ in struct_type._fields_] + [ctypes.sizeof(struct_type)]
+    layout = (ctypes.c_int64 * len(want))()
     lib.function("mc_layer_call_layout")(layout)
-    assert list(layout) == [getattr(ops.LayerCall, f).offset for f in fields] + [ctypes.sizeof(ops.LayerCall)]
+    assert list(layout) == want
 
 
 # ---- GPU: repeated eager calls replay mc_layer's CUDA graph (templates/sm90/layer_launch.cuh) ----

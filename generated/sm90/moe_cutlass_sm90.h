@@ -50,8 +50,9 @@ int32_t mc_layer_graph_count(const void* call);
 /* Frees the CUDA graphs mc_layer keeps in call->graphs (a launch in flight completes); the block may be
  * used again. Host only. */
 void mc_layer_release(void* call);
-/* The byte offset of every field of struct McLayerCall in declaration order, then its size (45
- * values): the Python mirror checks its layout against the compiler's. Host only. */
+/* The byte offset of every field of struct McLayerCall in declaration order, then its size, then the
+ * same for struct McGemmPlan (44 + 7 values): the Python mirrors check their layouts against the
+ * compiler's. Host only. */
 void mc_layer_call_layout(int64_t* offsets);
 /* Message of a status code returned by any mc_ function (a cudaError_t value). */
 const char* mc_error_string(int code);

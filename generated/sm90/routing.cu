@@ -42,8 +42,9 @@ int32_t mc_layer_graph_count(const void* call);
 /* Frees the CUDA graphs mc_layer keeps in call->graphs (a launch in flight completes); the block may be
  * used again. Host only. */
 void mc_layer_release(void* call);
-/* The byte offset of every field of struct McLayerCall in declaration order, then its size (45
- * values): the Python mirror checks its layout against the compiler's. Host only. */
+/* The byte offset of every field of struct McLayerCall in declaration order, then its size, then the
+ * same for struct McGemmPlan (44 + 7 values): the Python mirrors check their layouts against the
+ * compiler's. Host only. */
 void mc_layer_call_layout(int64_t* offsets);
 /* Message of a status code returned by any mc_ function (a cudaError_t value). */
 const char* mc_error_string(int code);
@@ -132,7 +133,10 @@ extern "C" void mc_layer_call_layout(int64_t* offsets) {
       int64_t(offsetof(McLayerCall, act_rows)), int64_t(offsetof(McLayerCall, gemm1_workspace)), int64_t(offsetof(McLayerCall, gemm1_workspace_bytes)), int64_t(offsetof(McLayerCall, gemm2_workspace)),
       int64_t(offsetof(McLayerCall, gemm2_workspace_bytes)), int64_t(offsetof(McLayerCall, activation)), int64_t(offsetof(McLayerCall, swiglu_alpha)), int64_t(offsetof(McLayerCall, swiglu_limit)),
       int64_t(offsetof(McLayerCall, routed_scaling_factor)), int64_t(offsetof(McLayerCall, failed)),
-      int64_t(offsetof(McLayerCall, graphs)), int64_t(sizeof(McLayerCall))};
+      int64_t(offsetof(McLayerCall, graphs)), int64_t(sizeof(McLayerCall)),
+      int64_t(offsetof(McGemmPlan, gemm1)), int64_t(offsetof(McGemmPlan, gemm2)), int64_t(offsetof(McGemmPlan, rem_lo)),
+      int64_t(offsetof(McGemmPlan, rem_hi)), int64_t(offsetof(McGemmPlan, row_chunk)), int64_t(offsetof(McGemmPlan, num_parts)),
+      int64_t(sizeof(McGemmPlan))};
   for (size_t i = 0; i < sizeof(layout) / sizeof(layout[0]); ++i) offsets[i] = layout[i];
 }
 
