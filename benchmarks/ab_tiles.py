@@ -20,7 +20,7 @@ from benchmarks.bench_moe import CONFIGS, Timer, floor_us, graph_of, measure_flo
 from benchmarks.record import write_record
 from moe_cutlass import _gemm, ops
 
-TILES = ("n8k256", "n16k256", "n32k128", "n64k128", "n128k128", "plan")
+TILES = ("n8k256", "n16k256", "n32k256", "n64k256", "n128k128", "plan")
 
 
 def label(plan) -> str:

@@ -36,7 +36,10 @@ def pick_config(kind: int, rows: int, num_experts: int, available=None, batch_in
     per expert the 64-token tile beats the 32-token one (gpt-oss M=1024 1138 vs 1346 us, dsv3
     3656 vs 4401 us), at 64 the 128-token tile beats the 64-token one (qwen3 411 vs 458 us), at
     24 the 32-token tile still wins (dsv4 1918 vs 2122 us), at 8 the 16-token one (gpt-oss 738
-    vs 909 us). The real per-expert counts live on the device only.
+    vs 909 us). The 32- and 64-token tiles take TileK 256: the same tile with half the k tiles'
+    fixed work (barrier wait, GMMA descriptors, scale loads) is 3-10% faster in one run
+    (benchmarks/results/bench_20261201T030839Z.json, NOTES.md 2026-12-01 (5)). The real
+    per-expert counts live on the device only.
 
     batch_invariant: only tiles that sum a token's products in one order. A tile's order depends
     on its number of accumulator chains alone (moe_gemm_mainloop.hpp, NumAcc: 4 for N <= 16, 2
@@ -44,8 +47,8 @@ def pick_config(kind: int, rows: int, num_experts: int, available=None, batch_in
     128-token tiles agree bit for bit and the others differ.
     """
     per_expert = rows / max(1, num_experts)
-    tiles = ((48, "n64k128"),) if batch_invariant else (
-        (4, "n8k256"), (12, "n16k256"), (24, "n32k128"), (48, "n64k128"))
+    tiles = ((48, "n64k256"),) if batch_invariant else (
+        (4, "n8k256"), (12, "n16k256"), (24, "n32k256"), (48, "n64k256"))
     for limit, tile in tiles:
         if per_expert <= limit:
             break
@@ -89,7 +92,7 @@ def single(config1: str, config2: str = None) -> Plan:
 # Token tiles that split_plan may combine, largest first, and the spread of an expert's rows it
 # plans for (mean +- SPREAD_SDS sqrt(mean), uniform top-k routing's spread; busier experts are still
 # correct, in a larger tile than they need).
-SPLIT_TILES = ("m128n128k128_coop", "m128n96k128_coop", "m128n64k128_coop", "m128n32k128_coop")
+SPLIT_TILES = ("m128n128k128_coop", "m128n96k128_coop", "m128n64k256_coop", "m128n32k256_coop")
 SPLIT_MIN_ROWS = 12   # rows per expert above which plan() splits (pick_config's 8/16-token tiles below)
 SPREAD_SDS = 3.0
 # From this many rows per expert on, every part is launched, whatever the spread says: a skewed

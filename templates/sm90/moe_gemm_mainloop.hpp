@@ -28,9 +28,9 @@
 //  4. Static TMA descriptors over all experts, encoded once on the host: A as (256 B, unit rows,
 //     slabs, E), scales as (Npad, Kp/32, E), B as the whole act buffer (rows, K) with the tile's
 //     first row offsets[e] (+ the launch's row window, moe_rows.hpp) + n * TileN (DeepGEMM's
-//     "contiguous layout"; the epilogue masks rows past
-//     the expert, and a tile that runs past them loads B in 8-row chunks, the chunks wholly past
-//     pointed out of bounds so TMA zero-fills them without reading). Upstream rewrites A, B and scale descriptors in smem,
+//     "contiguous layout"; the epilogue masks rows past the expert, and a 96/128-token tile that
+//     runs past them loads B in 8-row chunks, the chunks wholly past pointed out of bounds so TMA
+//     zero-fills them without reading). Upstream rewrites A, B and scale descriptors in smem,
 //     fences them and publishes them to global memory on every group change (tensormap.replace;
 //     about 5000 cycles per change, KERNEL_NOTES H.2), and with the grouped scheduler's strided
 //     tile order nearly every tile of a CTA is a new group. Here the kernel layer's tensormap
@@ -296,12 +296,14 @@ struct Mxfp4MoeMainloop {
     int32_t const row0 = get<6>(load_inputs);
     int32_t const row_end = get<7>(load_inputs);
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
-    // A tile that runs past its expert's rows loads B in 8-row chunks, and a chunk wholly past
-    // them from row act_rows: out of bounds, so TMA zero-fills it without reading memory. (One
-    // box over the tile would read the next expert's rows: at M=4096 the nearly empty second
-    // 128-token tile of half the experts made gpt-oss 7% slower.)
+    // A 96/128-token tile that runs past its expert's rows loads B in 8-row chunks, and a chunk
+    // wholly past them from row act_rows: out of bounds, so TMA zero-fills it without reading
+    // memory. (One box over the tile would read the next expert's rows: at M=4096 the nearly empty
+    // second 128-token tile of half the experts made gpt-oss 7% slower.) Tiles of up to 64 tokens
+    // take the one box: the next expert's few extra rows cost less than 4-8 TMA issues per k tile
+    // (layer 1-4% faster at M = 256-1024, benchmarks/NOTES.md 2026-12-01 (5)).
     int32_t const b_row = row0 + int32_t(n_coord) * TileN;
-    bool const b_partial = TileN > 8 && b_row + TileN > row_end;
+    bool const b_partial = TileN > 64 && b_row + TileN > row_end;
     Tensor mAct = get<4>(load_inputs)(_, _, 0);                                                  // (rows,K)
     auto block_tma_b8 = p.tma_load_b8.get_slice(0);
     Tensor gA = local_tile(get<2>(load_inputs)(_, _, _, e), TileShapeA{}, make_coord(_0{}, _, m_coord));  // (256,8U,S,k)
