@@ -128,8 +128,9 @@ def split_plan(rows: int, num_experts: int) -> Plan:
     needed = {n for n in sizes if share[n] >= MIN_PART_SHARE} or {max(sizes, key=share.get)}
     if mean < ALL_PARTS_ROWS and any(0 < share[n] for n in sizes if n not in needed):
         # a part for a few outliers costs its launch and a tail wave: their rows go to the largest
-        # kept part instead, in more than one of its tiles (the chunk shrinks to it)
-        chunk = min(chunk, max(needed))
+        # kept part instead, in more than one of its tiles (the chunk shrinks to the power of two
+        # that holds its tile: MoeRowWindow takes power-of-two chunks)
+        chunk = min(chunk, next(n for n in reversed(sizes) if n >= max(needed) and n & (n - 1) == 0))
     # The largest kept part also takes the full chunks and any remainder above it (its window ends
     # at the chunk): rows past the expected spread, in more than one of its tiles.
     kept = [(t, n) for t, n in zip(SPLIT_TILES, sizes) if n <= chunk and (n in needed or mean >= ALL_PARTS_ROWS)]

@@ -80,10 +80,11 @@ def test_gemm_tile_falls_back_to_one_the_library_holds():
     assert _gemm.pick_config(1, 8, 1, available=["moe_gemm1_m128n32k128_coop"]) == "moe_gemm1_m128n32k128_coop"
 
 
-SHAPE_ROUTES = {"qwen3-30b-a3b": (128, 8), "gpt-oss-120b": (128, 4), "dsv4-flash": (256, 6), "dsv3": (256, 8)}
+SHAPE_ROUTES = {"qwen3-30b-a3b": (128, 8), "gpt-oss-120b": (128, 4), "dsv4-flash": (256, 6), "dsv3": (256, 8),
+                "e8k2": (8, 2)}
 
 
-@pytest.mark.parametrize("M", [1, 16, 64, 256, 1000, 1024, 2048, 4096, 16384, 10 ** 6])
+@pytest.mark.parametrize("M", [1, 16, 64, 256, 300, 1000, 1024, 2048, 3072, 4096, 16384, 10 ** 6])
 @pytest.mark.parametrize("shape", list(SHAPE_ROUTES))
 def test_plan_parts_take_every_row_once(shape, M):
     """Whatever an expert's row count, the parts of the GEMM plan take each of its rows exactly once,
@@ -93,6 +94,7 @@ def test_plan_parts_take_every_row_once(shape, M):
     E, k = SHAPE_ROUTES[shape]
     plan = _gemm.plan(M * k, E)
     assert 1 <= len(plan.parts) <= 4
+    assert plan.chunk & (plan.chunk - 1) == 0, "MoeRowWindow::valid takes power-of-two chunks only"
     tiles = [_gemm.tile_n(part[0]) for part in plan.parts]
     assert tiles == sorted(tiles, reverse=True) and all(_gemm.tile_n(p[1]) == _gemm.tile_n(p[0]) for p in plan.parts)
     for rows in range(0, 3 * 128 + 2):
