@@ -100,12 +100,6 @@ SPREAD_SDS = 3.0
 # per expert: waste 1.52 -> 1.16 under Dirichlet routing in the tile_waste simulation), and a part
 # without rows costs a few microseconds against layers of 2.5 ms and more there.
 ALL_PARTS_ROWS = 96
-# Below ALL_PARTS_ROWS, a part that would hold the remainders of fewer than this share of the experts
-# (Poisson row counts: uniform top-k routing) is left out. dsv4-flash at M = 1024 (24 rows per expert,
-# ~4% of the experts above 32 rows): the 64-token part cost 7-27% against the 32-token tile alone
-# in four runs (bench_20261201T032714Z: 1569 vs 1352 us), the other three shapes' two parts at M = 1024
-# hold 40-60% each and win 8-17% (NOTES.md 2026-12-01 (5)).
-MIN_PART_SHARE = 0.10
 
 
 def split_plan(rows: int, num_experts: int) -> Plan:
@@ -116,21 +110,15 @@ def split_plan(rows: int, num_experts: int) -> Plan:
     weights twice at the M = 1024 ridge). Parts that no expert within the expected spread of rows
     needs are left out (a launch without rows still costs a few microseconds), their windows
     merged into the next larger part's; the chunk is the smallest power-of-two tile above the
-    spread. Below ALL_PARTS_ROWS, so are parts for under MIN_PART_SHARE of the experts. Skewed routing is still right, its outliers in larger or more tiles than they need."""
+    spread. Skewed routing is still right, its outliers in larger or more tiles than they need."""
     mean = rows / max(1, num_experts)
     lo, hi = max(0.0, mean - SPREAD_SDS * math.sqrt(mean)), mean + SPREAD_SDS * math.sqrt(mean)
     sizes = [tile_n(t) for t in SPLIT_TILES]
     chunk = next((n for n in reversed(sizes) if n >= hi and n & (n - 1) == 0), sizes[0])   # a power of two
-    share = dict.fromkeys(sizes, 0.0)   # expected share of the experts whose remainder each tile holds
+    needed = {chunk} if hi >= chunk else set()   # full chunks expected
     for r in range(int(lo), int(math.ceil(hi)) + 1):
-        p = math.exp(r * math.log(mean) - mean - math.lgamma(r + 1)) if mean > 0 else float(r == 0)
-        share[chunk if r and r % chunk == 0 else min(n for n in sizes if n >= r % chunk)] += p
-    needed = {n for n in sizes if share[n] >= MIN_PART_SHARE} or {max(sizes, key=share.get)}
-    if mean < ALL_PARTS_ROWS and any(0 < share[n] for n in sizes if n not in needed):
-        # a part for a few outliers costs its launch and a tail wave: their rows go to the largest
-        # kept part instead, in more than one of its tiles (the chunk shrinks to the power of two
-        # that holds its tile: MoeRowWindow takes power-of-two chunks)
-        chunk = min(chunk, next(n for n in reversed(sizes) if n >= max(needed) and n & (n - 1) == 0))
+        if r % chunk:
+            needed.add(min(n for n in sizes if n >= r % chunk))
     # The largest kept part also takes the full chunks and any remainder above it (its window ends
     # at the chunk): rows past the expected spread, in more than one of its tiles.
     kept = [(t, n) for t, n in zip(SPLIT_TILES, sizes) if n <= chunk and (n in needed or mean >= ALL_PARTS_ROWS)]

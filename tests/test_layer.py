@@ -117,9 +117,6 @@ def test_plan_splits_only_above_the_streaming_tiles():
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(1024 * 4, 128).parts] == [64, 32]      # gpt-oss
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(1024 * 8, 128).parts] == [96, 64]      # qwen3
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(4096 * 4, 128).parts] == [128, 96, 64, 32]
-    # a part for a few outliers is left out: dsv4-flash M = 1024 has ~4% of its experts above 32 rows
-    assert _gemm.plan(1024 * 6, 256) == _gemm.Plan(32, (("moe_gemm1_m128n32k256_coop", "moe_gemm2_m128n32k256_coop", 0, 32),))
-    assert [_gemm.tile_n(p[0]) for p in _gemm.plan(2048 * 6, 256).parts] == [64]
     assert _gemm.plan(4096 * 4, 128, batch_invariant=True) == _gemm.single("moe_gemm1_m128n128k128_coop")
     every = [f"moe_gemm1_{t}" for t in _gemm.SPLIT_TILES]   # GEMM1 names, as ops passes configs_of(1)
     assert len(_gemm.plan(4096 * 4, 128, available=every).parts) == 4
