@@ -1,16 +1,20 @@
 """Layer A/B of the GEMM token tiles under real (random top-k) routing: the data behind
 moe_cutlass/_gemm.pick_config's thresholds and _gemm.plan's split into per-expert parts.
 
-usage: python -m benchmarks.ab_tiles [--configs a,b] [--ms 16,64,...] [--tiles n8k256,...,plan] [--reps 30]
+usage: python -m benchmarks.ab_tiles [--configs a,b] [--ms 16,64,...] [--tiles n8k256,...,plan] [--reps 30] [--rounds 5]
 (a tile is a 128-row cooperative tile such as n64k128, or a whole config suffix such as m64n128k128_pingpong)
 
 For every shape and M, the whole layer runs once per candidate, as CUDA-graph replay with the L2
-flushed: a tile (one launch per GEMM over every row, the same tile for both GEMMs), or "plan",
+flushed, the candidates interleaved: --rounds rounds, each timing every candidate for reps/rounds
+reps in a rotated order, and a candidate's time is the median of its rounds. (Timed one after
+another, the candidate in first place came out up to 14% faster than the same config in later
+places, bench_20261201T033808Z: the GPU's clocks drift within a row.) A candidate is a tile (one launch per GEMM over every row, the same tile for both GEMMs), or "plan",
 what fused_moe runs (_gemm.plan: one tile, or parts whose tile the device picks per expert). The
 record ("kind": "bench") holds one row per (shape, M, candidate) with "tile" (for "plan", the
 plan's tiles, e.g. "plan:n128+n64+n32") and "picked" (the candidate fused_moe runs).
 """
 import argparse
+import statistics
 from unittest import mock
 
 import torch
@@ -29,7 +33,7 @@ def label(plan) -> str:
     return "plan:" + "+".join(f"n{_gemm.tile_n(part[0])}" for part in plan.parts)
 
 
-def time_tiles(name, tokens, tiles, timer, floors, gen):
+def time_tiles(name, tokens, tiles, timer, floors, gen, rounds):
     E, H, I, k = CONFIGS[name]
     experts = random_experts(E, H, I, gen)
     rows = []
@@ -39,21 +43,34 @@ def time_tiles(name, tokens, tiles, timer, floors, gen):
         floor = floor_us(M, E, H, I, k, ids, floors)
         plan = _gemm.plan(M * k, E, _gemm.configs_of(1))
         picked = label(plan)
+        graphs, names = [], []
         for tile in tiles:
             forced = plan if tile == "plan" else _gemm.single(f"moe_gemm1_{tile}" if "_" in tile else
                                                               f"moe_gemm1_m128{tile}_coop")
-            tile = label(forced) if tile == "plan" else tile
+            names.append(label(forced) if tile == "plan" else tile)
             ops._gemms.cache_clear()  # the layer caches its plan per batch size
             with mock.patch.object(_gemm, "plan", lambda *a, forced=forced, **kw: forced):
-                graph = graph_of(lambda: mc.fused_moe(x, experts, weights, ids, out=out))
+                graphs.append(graph_of(lambda: mc.fused_moe(x, experts, weights, ids, out=out)))
             ops._gemms.cache_clear()
-            us = timer.median_us(graph.replay)
-            del graph
+        per_round = Timer(max(5, timer.reps // rounds), timer.flush_buf)
+        times = interleaved_us([g.replay for g in graphs], lambda fn: per_round.median_us(fn, warmup=2), rounds)
+        for tile, us in zip(names, times):
             rows.append({"impl": "moe_cutlass", "config": name, "M": M, "mode": "graph", "tile": tile,
                          "picked": tile == picked, "us": us, "floor_us": floor, "x_floor": us / floor})
             print(f"{name:14s} M={M:6d} {tile:18s}{'*' if tile == picked else ' '} {us:9.1f} us  x{us / floor:5.2f}",
                   flush=True)
+        del graphs
     return rows
+
+
+def interleaved_us(fns, time_us, rounds):
+    """Each fn's median over `rounds` rounds of time_us(fn), the fns timed in a rotated order each
+    round so that none always runs first."""
+    times = [[] for _ in fns]
+    for r in range(rounds):
+        for i in [(r + j) % len(fns) for j in range(len(fns))]:
+            times[i].append(time_us(fns[i]))
+    return [statistics.median(t) for t in times]
 
 
 def main():
@@ -62,6 +79,7 @@ def main():
     parser.add_argument("--ms", default="16,64,256,1024,4096")
     parser.add_argument("--tiles", default=",".join(TILES))
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
     timer = Timer(args.reps)
@@ -70,9 +88,11 @@ def main():
     gen.manual_seed(0)
     rows = []
     for name in args.configs.split(","):
-        rows += time_tiles(name, [int(m) for m in args.ms.split(",")], args.tiles.split(","), timer, floors, gen)
+        rows += time_tiles(name, [int(m) for m in args.ms.split(",")], args.tiles.split(","), timer, floors, gen,
+                           args.rounds)
         torch.cuda.empty_cache()
-    path = write_record("bench", {"floors": floors, "reps": args.reps, "ab": "tiles", "rows": rows}, args.out_dir)
+    path = write_record("bench", {"floors": floors, "reps": args.reps, "rounds": args.rounds, "ab": "tiles", "rows": rows},
+                        args.out_dir)
     print(f"record: {path}")
 
 

@@ -35,9 +35,9 @@ HOST_BURST, HOST_BURSTS = 50, 4
 class Timer:
     """Median device time of fn over reps, with the L2 flushed before each rep."""
 
-    def __init__(self, reps):
+    def __init__(self, reps, flush_buf=None):
         self.reps = reps
-        self.flush_buf = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")  # > 60 MB L2
+        self.flush_buf = torch.empty(512 << 20, dtype=torch.uint8, device="cuda") if flush_buf is None else flush_buf  # > 60 MB L2
 
     def median_us(self, fn, warmup=10):
         for _ in range(warmup):
