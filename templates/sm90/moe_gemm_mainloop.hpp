@@ -53,7 +53,13 @@
 // bench_20261129T133227Z); the static descriptors (4.) another 3-8% at decode
 // (bench_20261130T223331Z). Decode GEMMs now stream 2.5 (gpt-oss, K=2880) to 3.4 TB/s (dsv3,
 // K=7168) of 4.25 TB/s: short K exposes the per-tile prologue (first conversion before any GMMA)
-// and epilogue, and at M=1 too few tiles fill the machine.
+// and epilogue, and at M=1 too few tiles fill the machine. At the M = 256-1024 ridge (32/64-token
+// tiles) ncu finds nothing saturated (DRAM 30-39%, L2 40-51%, tensor or ALU pipe 35-47%, issue
+// slots 45-58%): the two consumer warps per scheduler cannot hide their own latencies (stalls
+// per issue: fixed-latency 0.8-1.0, long scoreboard 0.75-0.83), and about 40% of their samples
+// are the per-k-tile GMMA issue, descriptor and stage-wait code, so TileK 256 (half of that per
+// weight) is 3-14% faster than 128 for those tiles (NOTES.md 2026-12-01 (5)); more accumulator
+// chains changed nothing.
 #pragma once
 
 #include "cutlass/cutlass.h"
