@@ -114,7 +114,9 @@ class MoeEpilogue {
     // (they could alias), so the loads in the store loop each waited for L1 or L2 in turn; ncu at
     // qwen3 M=4096 found GEMM2 stalled on L1TEX in 43% of its cycles (benchmarks/NOTES.md).
     int const m_lo = m0 + get<0>(tCcD(0)), m_hi = m0 + get<0>(tCcD(2));
-    float const b_lo = bias ? bias[m_lo] : 0.f, b_hi = bias ? bias[m_hi] : 0.f;
+    // (a 192-row tile's last M tile runs past m_pad: no bias there, and its rows are not stored)
+    float const b_lo = bias && m_lo < params.m_pad ? bias[m_lo] : 0.f;
+    float const b_hi = bias && m_hi < params.m_pad ? bias[m_hi] : 0.f;
 
     if constexpr (Kind == 2) {
       float w[TileN / 8][2];

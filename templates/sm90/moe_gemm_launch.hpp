@@ -26,6 +26,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/epilogue/collective/detail.hpp"
 
+#include "moe_gemm_kernel.hpp"
 #include "moe_gemm_mainloop.hpp"
 #include "moe_gemm_epilogue.hpp"
 #include "moe_rows.hpp"
@@ -63,8 +64,10 @@ struct MoeProblemShape {
 template <int Kind, int TileM, int TileN, int TileK, bool Pingpong>
 struct MoeGemmConfig {
   using TileShape = Shape<Int<TileM>, Int<TileN>, Int<TileK>>;
+  // TileM 192: three consumer warpgroups, our fork of the cooperative kernel (moe_gemm_kernel.hpp)
   using Schedule = cute::conditional_t<Pingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+                   cute::conditional_t<TileM == 192, KernelMoeCooperative<3>,
+                                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>>;
   static constexpr int StageBytes = Mxfp4MoeMainloop<2, TileShape, Schedule>::TmaTransactionBytes;
   static constexpr int kSmemBudget = 232448 - 6144;   // 227 KB minus scheduler/pipeline/tensormap storage
   static constexpr int StagesRaw = kSmemBudget / (StageBytes + 32);

@@ -74,6 +74,7 @@
 #include "cute/atom/mma_atom.hpp"
 #include "cute/algorithm/gemm.hpp"
 
+#include "moe_gemm_kernel.hpp"
 #include "moe_rows.hpp"
 #include "mxfp4_math.cuh"
 
@@ -83,10 +84,20 @@ using namespace cute;
 // ---------------------------------------------------------------------------------------------
 // The mainloop collective.
 // ---------------------------------------------------------------------------------------------
+// The dispatch policy for our own kernel schedules (upstream's mixed-input policy admits only its two).
+template <int Stages_, class KernelSchedule_>
+struct MoeMainloopPolicy {
+  static constexpr int Stages = Stages_;
+  using ClusterShape = Shape<_1, _1, _1>;
+  using ArchTag = cutlass::arch::Sm90;
+  using Schedule = KernelSchedule_;
+};
+
 template <int Stages_, class TileShape_, class KernelSchedule_>
 struct Mxfp4MoeMainloop {
-  using DispatchPolicy = cutlass::gemm::MainloopSm90ArrayTmaGmmaWarpSpecializedMixedInput<
-      Stages_, Shape<_1, _1, _1>, KernelSchedule_>;
+  using DispatchPolicy = cute::conditional_t<is_moe_cooperative<KernelSchedule_>::value,
+      MoeMainloopPolicy<Stages_, KernelSchedule_>,
+      cutlass::gemm::MainloopSm90ArrayTmaGmmaWarpSpecializedMixedInput<Stages_, Shape<_1, _1, _1>, KernelSchedule_>>;
   using TileShape = TileShape_;
   using KernelSchedule = KernelSchedule_;
   using ClusterShape = Shape<_1, _1, _1>;
@@ -260,7 +271,7 @@ struct Mxfp4MoeMainloop {
 
   template <class ProblemShape>
   static bool can_implement(ProblemShape, Arguments const& args) {
-    return args.m_pad > 0 && args.m_pad % TileM == 0 && args.k_pad > 0 && args.k_pad % 64 == 0 &&
+    return args.m_pad > 0 && args.m_pad % 64 == 0 && args.k_pad > 0 && args.k_pad % 64 == 0 &&
            args.k_real > 0 && args.k_real % 32 == 0 && args.k_real <= args.k_pad &&
            args.k_pad - args.k_real < 64 && args.w_blocks && args.w_scales && args.act && args.offsets &&
            args.num_experts > 0 && args.act_rows > 0;
