@@ -4,7 +4,10 @@
 //   cutlass/gemm/collective/sm90_mma_array_tma_gmma_rs_warpspecialized_mixed_input.hpp
 //   (+ cutlass/detail/collective/mixed_input_utils.hpp)
 // It plugs into the stock ptr-array kernels (GemmUniversal with
-// KernelPtrArrayTmaWarpSpecializedCooperative / Pingpong) and the grouped tile scheduler.
+// KernelPtrArrayTmaWarpSpecializedCooperative / Pingpong), into our fork of the cooperative one
+// with three consumer warpgroups for 192-row tiles (moe_gemm_kernel.hpp), and into the grouped
+// tile scheduler. A 192-row tile's last M tile may run past Npad: its A slabs and scale rows are
+// zero-filled by TMA and the epilogue stores no row past n_real.
 //
 // What differs from upstream (and why):
 //  1. Operand A is MXFP4 weights in OUR prepared layout (moe_cutlass/layout.py): 64-row x 64-K
