@@ -12,7 +12,8 @@
 //  2. Registers per thread follow the warpgroup count: 40 for the producer and 232 for two
 //     consumer warpgroups (upstream's), 152 for three (512 threads x 128 at launch = 65,536).
 //  3. Any warpgroup after the producer is a consumer; consumer warpgroup i is warpgroup i + 1.
-// Everything else is upstream's, line for line.
+// Everything else is upstream's, line for line, minus the auxiliary-load producer warp (our mainloop
+// has no auxiliary load).
 //
 // Measured on an H200 (benchmarks/results/bench_20261201T035614Z.json, ab_tiles interleaved over 3
 // rounds; the GEMM tests of every config, 192-row tiles and their partial last M tile included,
@@ -168,6 +169,7 @@ public:
   static constexpr uint32_t MinBlocksPerMultiprocessor = 1;
   static constexpr uint32_t NumProducerThreads = CollectiveMainloop::NumProducerThreadEvents;
   static constexpr bool     IsMainloopAuxiliaryLoadNeeded = detail::HasAuxiliaryLoad_v<typename CollectiveMainloop::DispatchPolicy>;
+  static_assert(!IsMainloopAuxiliaryLoadNeeded, "the auxiliary-load producer warp is not forked");
 
   /// Register requirement for Load and Math WGs
   static constexpr uint32_t LoadRegisterRequirement = 40;
@@ -724,68 +726,7 @@ public:
         // Make sure all Consumer Warp Groups have been waited upon
         collective_mainloop.load_tail(mainloop_pipeline, mainloop_pipe_producer_state);
       } // Mainloop Producer Warp End
-      else if (producer_warp_role == ProducerWarpRole::MainloopAux) {
-        if constexpr (IsMainloopAuxiliaryLoadNeeded) {
-          int32_t curr_batch = idx2crd(work_tile_info.L_idx, shape<4>(gB_nkl)); // Usually just returns work_tile_info.L_idx;
-          int32_t const mock_l_coord = 0;
-
-          bool did_batch_change = true;
-          do {
-            if (!TileScheduler::valid_warpgroup_in_work_tile(work_tile_info)) {
-              auto [next_work_tile_info, increment_pipe] = scheduler.fetch_next_work(work_tile_info, tile_scheduler_pipeline, tile_scheduler_pipe_consumer_state);
-              work_tile_info = next_work_tile_info;
-              if (increment_pipe) {
-                ++tile_scheduler_pipe_consumer_state;
-              }
-              continue;
-            }
-
-            // Compute m_coord, n_coord, l_coord with the post-tiled m-shape and n-shape
-            auto m_coord = idx2crd(work_tile_info.M_idx, shape<2>(gA_mkl));
-            auto n_coord = idx2crd(work_tile_info.N_idx, shape<2>(gB_nkl));
-            auto blk_coord = make_coord(m_coord, n_coord, _, mock_l_coord);
-
-            // Get the number of K tiles to compute for this work as well as the starting K tile offset of the work.
-            auto work_k_tile_count = TileScheduler::get_work_k_tile_count(work_tile_info, problem_shape_MNKL, blk_shape);
-            auto work_k_tile_start = TileScheduler::get_work_k_tile_start(work_tile_info);
-            auto k_tile_iter = cute::make_coord_iterator(idx2crd(work_k_tile_start, shape<3>(gA_mkl)), shape<3>(gA_mkl));
-
-            if (did_batch_change) {
-              load_inputs = collective_mainloop.tensors_perform_update(load_inputs, params.mainloop, problem_shape_MNKL, curr_batch);
-            }
-
-            collective_mainloop.load_auxiliary(
-              params.mainloop,
-              mainloop_pipeline,
-              mainloop_pipe_producer_state,
-              load_inputs,
-              blk_coord,
-              k_tile_iter, work_k_tile_count,
-              lane_idx,
-              block_rank_in_cluster,
-              shared_storage.tensors.mainloop
-            );
-
-            // Update starting pipeline state for the next tile
-            mainloop_pipe_producer_state.advance(work_k_tile_count);
-
-            // Get next work tile
-            auto [next_work_tile_info, increment_pipe] = scheduler.fetch_next_work(work_tile_info, tile_scheduler_pipeline, tile_scheduler_pipe_consumer_state);
-            work_tile_info = next_work_tile_info;
-            if (increment_pipe) {
-              ++tile_scheduler_pipe_consumer_state;
-            }
-            auto next_batch = idx2crd(work_tile_info.L_idx, shape<4>(gB_nkl)); // Usually just returns work_tile_info.L_idx
-            did_batch_change = next_batch != curr_batch;
-            if (work_tile_info.is_valid() && did_batch_change) {
-              curr_batch = next_batch;
-              if constexpr (IsGroupedGemmKernel) {
-                problem_shape_MNKL = append<4>(params.problem_shape.get_problem_shape(curr_batch), 1);
-              }
-            }
-          } while (work_tile_info.is_valid()); // Scheduler work fetch loop
-        } // End of auxiliary load needed check
-      } // Mainloop Auxiliary Load Producer Warp End
+      // (upstream's auxiliary-load producer warp: our mainloop has no auxiliary load, asserted above) // Mainloop Auxiliary Load Producer Warp End
       // Epilogue Producer Warp
       else if (producer_warp_role == ProducerWarpRole::Epilogue && collective_epilogue.is_producer_load_needed()) {
         int32_t const sm_idx = blockIdx.x + (blockIdx.y * gridDim.x);
