@@ -206,16 +206,17 @@ def test_routing_builds_then_hits_the_cache(tmp_path):
     assert lib.call("mc_expand_workspace_ints", 65536, 8, 128) == 128 * 128
 
 
-def _first_gemm(kind):
-    return next(c.name for c in KERNELS[ARCH] if c.params.get("kind") == kind)
+def _first_gemm(kind, tile_m=128):
+    return next(c.name for c in KERNELS[ARCH] if c.params.get("kind") == kind and c.params.get("tile_m") == tile_m)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_gemm_instantiations_compile_without_spills_and_use_hgmma(tmp_path):
-    """CI has no GPU, but a broken GEMM template must still fail it: compile one of each kind."""
+    """CI has no GPU, but a broken GEMM template must still fail it: compile one of each kind, and one
+    192-row tile (three consumer warpgroups: our fork of the kernel, moe_gemm_kernel.hpp)."""
     gen = tmp_path / "generated"
     render.write(render.render(ARCH), gen)
-    names = [_first_gemm(1), _first_gemm(2)]
+    names = [_first_gemm(1), _first_gemm(2), _first_gemm(1, tile_m=192)]
     build(ARCH, only=names, gen_dir=gen, out_dir=tmp_path / "build", emit=print)
     report = json.loads((tmp_path / "build" / "build_report.json").read_text())
     for name in names:
