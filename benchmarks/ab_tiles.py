@@ -8,8 +8,8 @@ For every shape and M, the whole layer runs once per candidate, as CUDA-graph re
 flushed, the candidates interleaved: --rounds rounds, each timing every candidate for reps/rounds
 reps in a rotated order, and a candidate's time is the median of its rounds. (Timed one after
 another, the candidate in first place came out up to 14% faster than the same config in later
-places, bench_20261201T033808Z: the GPU's clocks drift within a row.) A candidate is a tile (one launch per GEMM over every row, the same tile for both GEMMs), or "plan",
-what fused_moe runs (_gemm.plan: one tile, or parts whose tile the device picks per expert). The
+places, bench_20261201T033808Z: the GPU's clocks drift within a row.) A candidate is a tile (one
+launch per GEMM over every row, the same tile for both GEMMs), or "plan", what fused_moe runs (_gemm.plan: one tile, or parts whose tile the device picks per expert). The
 record ("kind": "bench") holds one row per (shape, M, candidate) with "tile" (for "plan", the
 plan's tiles, e.g. "plan:n128+n64+n32") and "picked" (the candidate fused_moe runs).
 """
@@ -29,7 +29,8 @@ TILES = ("n8k256", "n16k256", "n32k256", "n64k256", "n128k128", "plan")
 
 def label(plan) -> str:
     if len(plan.parts) == 1 and plan.chunk == _gemm.ALL_ROWS[0]:
-        return plan.parts[0][0].split("_")[2][4:]
+        tile = plan.parts[0][0].split("_")[2]   # m128n64k256: the 128-row tiles by their token tile alone
+        return tile[4:] if tile.startswith("m128") else tile
     return "plan:" + "+".join(f"n{_gemm.tile_n(part[0])}" for part in plan.parts)
 
 
@@ -91,8 +92,8 @@ def main():
         rows += time_tiles(name, [int(m) for m in args.ms.split(",")], args.tiles.split(","), timer, floors, gen,
                            args.rounds)
         torch.cuda.empty_cache()
-    path = write_record("bench", {"floors": floors, "reps": args.reps, "rounds": args.rounds, "ab": "tiles", "rows": rows},
-                        args.out_dir)
+    run = {"floors": floors, "reps": args.reps, "rounds": args.rounds, "ab": "tiles", "rows": rows}
+    path = write_record("bench", run, args.out_dir)
     print(f"record: {path}")
 
 

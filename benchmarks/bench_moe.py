@@ -37,7 +37,9 @@ class Timer:
 
     def __init__(self, reps, flush_buf=None):
         self.reps = reps
-        self.flush_buf = torch.empty(512 << 20, dtype=torch.uint8, device="cuda") if flush_buf is None else flush_buf  # > 60 MB L2
+        if flush_buf is None:   # > 60 MB L2; a Timer may share another's
+            flush_buf = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+        self.flush_buf = flush_buf
 
     def median_us(self, fn, warmup=10):
         for _ in range(warmup):

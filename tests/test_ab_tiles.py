@@ -1,5 +1,6 @@
 """benchmarks/ab_tiles.py: the candidates' interleaving (the timing itself runs on the H200 only)."""
-from benchmarks.ab_tiles import interleaved_us
+from benchmarks.ab_tiles import interleaved_us, label
+from moe_cutlass import _gemm
 
 
 def test_interleaving_cancels_a_first_place_advantage():
@@ -21,3 +22,9 @@ def test_interleaving_cancels_a_first_place_advantage():
 def test_candidates_keep_their_own_times():
     times = {"a": 10.0, "b": 20.0}
     assert interleaved_us(["a", "b"], times.get, rounds=5) == [10.0, 20.0]
+
+
+def test_labels_keep_a_192_row_tile_apart():
+    assert label(_gemm.single("moe_gemm1_m128n64k256_coop")) == "n64k256"
+    assert label(_gemm.single("moe_gemm1_m192n64k128_coop")) == "m192n64k128"
+    assert label(_gemm.plan(4096 * 4, 128)) == "plan:n128+n96+n64+n32"
