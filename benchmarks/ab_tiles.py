@@ -9,7 +9,9 @@ flushed, the candidates interleaved: --rounds rounds, each timing every candidat
 reps in a rotated order, and a candidate's time is the median of its rounds. (Timed one after
 another, the candidate in first place came out up to 14% faster than the same config in later
 places, bench_20261201T033808Z: the GPU's clocks drift within a row.) A candidate is a tile (one
-launch per GEMM over every row, the same tile for both GEMMs), or "plan", what fused_moe runs (_gemm.plan: one tile, or parts whose tile the device picks per expert). The
+launch per GEMM over every row, the same tile for both GEMMs), "plan", what fused_moe runs
+(_gemm.plan: one tile, or parts whose tile the device picks per expert), or "plan-tXY", the plan
+with GEMM1's / GEMM2's tiles of up to 64 tokens in their 192-row versions where X / Y is 1. The
 record ("kind": "bench") holds one row per (shape, M, candidate) with "tile" (for "plan", the
 plan's tiles, e.g. "plan:n128+n64+n32") and "picked" (the candidate fused_moe runs).
 """
@@ -27,11 +29,34 @@ from moe_cutlass import _gemm, ops
 TILES = ("n8k256", "n16k256", "n32k256", "n64k256", "n128k128", "plan")
 
 
+def short(config: str) -> str:
+    """A config's tile, the 128-row tiles by their token tile alone (m128n64k256 -> n64k256)."""
+    tile = config.split("_")[2]
+    return tile[4:] if tile.startswith("m128") else tile
+
+
 def label(plan) -> str:
+    """One tile ("n64k256"), or GEMM1/GEMM2 tiles where they differ, or the plan's parts ("plan:n64+n32",
+    a 192-row part "n64t", "n64t/n64": GEMM1 tall, GEMM2 not)."""
+    def part(c1, c2, name):
+        return name(c1) if short(c1) == short(c2) else f"{name(c1)}/{name(c2)}"
     if len(plan.parts) == 1 and plan.chunk == _gemm.ALL_ROWS[0]:
-        tile = plan.parts[0][0].split("_")[2]   # m128n64k256: the 128-row tiles by their token tile alone
-        return tile[4:] if tile.startswith("m128") else tile
-    return "plan:" + "+".join(f"n{_gemm.tile_n(part[0])}" for part in plan.parts)
+        return part(*plan.parts[0][:2], short)
+    return "plan:" + "+".join(part(*p[:2], lambda c: f"n{_gemm.tile_n(c)}" + ("t" if "_m192" in c else ""))
+                              for p in plan.parts)
+
+
+def candidate(tile, M, k, E, tall_rule, available=None):
+    """(name, plan, picked) of a --tiles entry: a tile, "plan" (what fused_moe runs) or "plan-tXY"
+    (the rule's tiles with GEMM1 / GEMM2 192 rows tall where X / Y is 1)."""
+    rule = _gemm.plan(M * k, E, available, tall_tiles=tall_rule)
+    if tile == "plan":
+        return label(rule), rule, True
+    if tile.startswith("plan-t"):
+        forced = _gemm.plan(M * k, E, available, tall_tiles=(tile[-2] == "1", tile[-1] == "1"))
+        return f"{tile}:{label(forced)}", forced, False
+    forced = _gemm.single(f"moe_gemm1_{tile}" if "_" in tile else f"moe_gemm1_m128{tile}_coop")
+    return tile, forced, label(forced) == label(rule)
 
 
 def time_tiles(name, tokens, tiles, timer, floors, gen, rounds):
@@ -42,23 +67,21 @@ def time_tiles(name, tokens, tiles, timer, floors, gen, rounds):
         x, weights, ids = random_batch(M, E, H, k, gen)
         out = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
         floor = floor_us(M, E, H, I, k, ids, floors)
-        plan = _gemm.plan(M * k, E, _gemm.configs_of(1))
-        picked = label(plan)
-        graphs, names = [], []
+        graphs, names, picked = [], [], []
         for tile in tiles:
-            forced = plan if tile == "plan" else _gemm.single(f"moe_gemm1_{tile}" if "_" in tile else
-                                                              f"moe_gemm1_m128{tile}_coop")
-            names.append(label(forced) if tile == "plan" else tile)
+            label_, forced, is_rule = candidate(tile, M, k, E, _gemm.tall_tiles(2 * I, H), _gemm.configs_of(1))
+            names.append(label_)
+            picked.append(is_rule)
             ops._gemms.cache_clear()  # the layer caches its plan per batch size
             with mock.patch.object(_gemm, "plan", lambda *a, forced=forced, **kw: forced):
                 graphs.append(graph_of(lambda: mc.fused_moe(x, experts, weights, ids, out=out)))
             ops._gemms.cache_clear()
         per_round = Timer(max(5, timer.reps // rounds), timer.flush_buf)
         times = interleaved_us([g.replay for g in graphs], lambda fn: per_round.median_us(fn, warmup=2), rounds)
-        for tile, us in zip(names, times):
+        for tile, is_rule, us in zip(names, picked, times):
             rows.append({"impl": "moe_cutlass", "config": name, "M": M, "mode": "graph", "tile": tile,
-                         "picked": tile == picked, "us": us, "floor_us": floor, "x_floor": us / floor})
-            print(f"{name:14s} M={M:6d} {tile:18s}{'*' if tile == picked else ' '} {us:9.1f} us  x{us / floor:5.2f}",
+                         "picked": is_rule, "us": us, "floor_us": floor, "x_floor": us / floor})
+            print(f"{name:14s} M={M:6d} {tile:30s}{'*' if is_rule else ' '} {us:9.1f} us  x{us / floor:5.2f}",
                   flush=True)
         del graphs
     return rows

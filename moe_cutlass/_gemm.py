@@ -126,17 +126,42 @@ def split_plan(rows: int, num_experts: int) -> Plan:
                               chunk if i == 0 else n) for i, (t, n) in enumerate(kept)))
 
 
-def plan(rows: int, num_experts: int, available=None, batch_invariant=False) -> Plan:
+# The 192-row versions (three consumer warpgroups, templates/sm90/moe_gemm_kernel.hpp) of the
+# 128-row tiles of up to 64 tokens.
+TALL_TILES = {f"m128n{n}k256_coop": f"m192n{n}k128_coop" for n in (8, 16, 32, 64)}
+NO_TALL = (False, False)
+
+
+def tall_tiles(n1: int, n2: int) -> tuple:
+    """Whether GEMM1 (N = n1, 2 * I) and GEMM2 (N = n2, H) run the 192-row tiles: where N is a
+    multiple of 192, so no expert pays for a partial last 192-row tile."""
+    return n1 % 192 == 0, n2 % 192 == 0
+
+
+def tall(config: str, on: bool, available=None) -> str:
+    """config, or its 192-row version (TALL_TILES) when `on` and the library holds it."""
+    head = config[:len("moe_gemm1_")]
+    other = head + TALL_TILES.get(config[len(head):], config[len(head):]) if on else config
+    return other if available is None or other.replace("moe_gemm2_", "moe_gemm1_", 1) in available else config
+
+
+def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tall_tiles=NO_TALL) -> Plan:
     """The GEMM launches of a call with `rows` (M * top_k) rows (available: the GEMM1 configs the
     library holds, as for pick_config; GEMM2's follow them): pick_config's one tile up to
     SPLIT_MIN_ROWS rows per expert (streaming tiles) and for batch_invariant (whose bits must not
-    depend on which part a row lands in), split_plan's parts above."""
+    depend on which part a row lands in), split_plan's parts above. tall_tiles[g]: GEMM g+1 runs
+    the 192-row versions of its tiles of up to 64 tokens (not with batch_invariant)."""
     if batch_invariant or rows / max(1, num_experts) <= SPLIT_MIN_ROWS:
-        return single(pick_config(1, rows, num_experts, available, batch_invariant))
-    p = split_plan(rows, num_experts)
-    if available is not None and not all(part[0] in available for part in p.parts):
-        return single(pick_config(1, rows, num_experts, available, batch_invariant))
-    return p
+        p = single(pick_config(1, rows, num_experts, available, batch_invariant))
+    else:
+        p = split_plan(rows, num_experts)
+        if available is not None and not all(part[0] in available for part in p.parts):
+            p = single(pick_config(1, rows, num_experts, available, batch_invariant))
+    if batch_invariant:
+        return p
+    t1, t2 = tall_tiles
+    return Plan(p.chunk, tuple((tall(c1, t1, available), tall(c2, t2, available), lo, hi)
+                               for c1, c2, lo, hi in p.parts))
 
 
 # Tile choices that moe_cutlass.tuning measured for a layer shape on a device, in force for fused_moe

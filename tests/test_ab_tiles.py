@@ -1,5 +1,5 @@
 """benchmarks/ab_tiles.py: the candidates' interleaving (the timing itself runs on the H200 only)."""
-from benchmarks.ab_tiles import interleaved_us, label
+from benchmarks.ab_tiles import candidate, interleaved_us, label
 from moe_cutlass import _gemm
 
 
@@ -28,3 +28,18 @@ def test_labels_keep_a_192_row_tile_apart():
     assert label(_gemm.single("moe_gemm1_m128n64k256_coop")) == "n64k256"
     assert label(_gemm.single("moe_gemm1_m192n64k128_coop")) == "m192n64k128"
     assert label(_gemm.plan(4096 * 4, 128)) == "plan:n128+n96+n64+n32"
+
+
+def test_labels_name_each_gemms_tile_where_they_differ():
+    one = _gemm.plan(64 * 4, 128, tall_tiles=(True, False))   # 2 rows per expert: one 8-token tile
+    assert label(one) == "m192n8k128/n8k256"
+    parts = _gemm.plan(1024 * 4, 128, tall_tiles=(True, True))
+    assert label(parts) == "plan:n64t+n32t"
+
+
+def test_plan_variants_force_the_192_row_tiles_per_gemm():
+    name, forced, picked = candidate("plan-t01", 1024, 4, 128, (False, False))
+    assert not picked and name == "plan-t01:plan:n64/n64t+n32/n32t"
+    assert [(c1, c2) for c1, c2, _, _ in forced.parts] == [
+        ("moe_gemm1_m128n64k256_coop", "moe_gemm2_m192n64k128_coop"),
+        ("moe_gemm1_m128n32k256_coop", "moe_gemm2_m192n32k128_coop")]
