@@ -46,10 +46,10 @@ def label(plan) -> str:
                               for p in plan.parts)
 
 
-def candidate(tile, M, k, E, tall_rule, available=None):
+def candidate(tile, M, k, E, available=None):
     """(name, plan, picked) of a --tiles entry: a tile, "plan" (what fused_moe runs) or "plan-tXY"
     (the rule's tiles with GEMM1 / GEMM2 192 rows tall where X / Y is 1)."""
-    rule = _gemm.plan(M * k, E, available, tall_tiles=tall_rule)
+    rule = _gemm.plan(M * k, E, available)
     if tile == "plan":
         return label(rule), rule, True
     if tile.startswith("plan-t"):
@@ -69,7 +69,7 @@ def time_tiles(name, tokens, tiles, timer, floors, gen, rounds):
         floor = floor_us(M, E, H, I, k, ids, floors)
         graphs, names, picked = [], [], []
         for tile in tiles:
-            label_, forced, is_rule = candidate(tile, M, k, E, _gemm.tall_tiles(2 * I, H), _gemm.configs_of(1))
+            label_, forced, is_rule = candidate(tile, M, k, E, _gemm.configs_of(1))
             names.append(label_)
             picked.append(is_rule)
             ops._gemms.cache_clear()  # the layer caches its plan per batch size

@@ -127,15 +127,12 @@ def split_plan(rows: int, num_experts: int) -> Plan:
 
 
 # The 192-row versions (three consumer warpgroups, templates/sm90/moe_gemm_kernel.hpp) of the
-# 128-row tiles of up to 64 tokens.
+# 128-row tiles of up to 64 tokens. The rule does not take them: per GEMM and shape, layer A/B
+# (benchmarks/results/raw/bench_20261201T042445Z_tall_per_gemm.json) put them within -9..+8% of
+# the 128-row tiles with no consistent sign (run-to-run noise ~5%); plan(tall_tiles=...) and
+# benchmarks.ab_tiles's "plan-tXY" candidates measure them.
 TALL_TILES = {f"m128n{n}k256_coop": f"m192n{n}k128_coop" for n in (8, 16, 32, 64)}
 NO_TALL = (False, False)
-
-
-def tall_tiles(n1: int, n2: int) -> tuple:
-    """Whether GEMM1 (N = n1, 2 * I) and GEMM2 (N = n2, H) run the 192-row tiles: where N is a
-    multiple of 192, so no expert pays for a partial last 192-row tile."""
-    return n1 % 192 == 0, n2 % 192 == 0
 
 
 def tall(config: str, on: bool, available=None) -> str:

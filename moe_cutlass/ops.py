@@ -216,8 +216,7 @@ def fused_max_slots() -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _gemms(slots: int, E: int, batch_invariant: bool, fused: bool, ids_int64: bool, tuned=None,
-           tall_tiles=_gemm.NO_TALL) -> _Gemms:
+def _gemms(slots: int, E: int, batch_invariant: bool, fused: bool, ids_int64: bool, tuned=None) -> _Gemms:
     # The GEMM tiles follow the rows per expert, which the host knows only on average (slots / E):
     # _gemm.plan's parts let the device place each expert's rows. A shape that moe_cutlass.tuning
     # measured (tuned: the two config names, or _gemm.PLAN for the rule) runs them as one launch each.
@@ -225,7 +224,7 @@ def _gemms(slots: int, E: int, batch_invariant: bool, fused: bool, ids_int64: bo
     if tuned is not None and tuned[0] != _gemm.PLAN:
         p = _gemm.single(*tuned)
     else:
-        p = _gemm.plan(slots, E, _gemm.configs_of(1), batch_invariant, tall_tiles)
+        p = _gemm.plan(slots, E, _gemm.configs_of(1), batch_invariant)
     plan = GemmPlan(row_chunk=p.chunk, num_parts=len(p.parts))
     for i, (config1, config2, lo, hi) in enumerate(p.parts):
         plan.gemm1[i], plan.gemm2[i] = (ctypes.cast(lib.function(f"mc_sm90_{c}"), ctypes.c_void_p).value
@@ -353,8 +352,7 @@ def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_l
     tuned = None
     if _gemm._TUNED and not batch_invariant:
         tuned = _gemm.tuned_configs(device_info(index).name, E, H, I, k, M)
-    gemms = _gemms(M * k, E, batch_invariant, fused, topk_ids.dtype == torch.int64, tuned,
-                   _gemm.tall_tiles(2 * I, H))
+    gemms = _gemms(M * k, E, batch_invariant, fused, topk_ids.dtype == torch.int64, tuned)
     hidden_ptr, out_ptr = hidden.data_ptr(), out.data_ptr()
     if (hidden_ptr | out_ptr) % 16:
         check_pointers(hidden, out, None)

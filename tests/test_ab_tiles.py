@@ -38,7 +38,7 @@ def test_labels_name_each_gemms_tile_where_they_differ():
 
 
 def test_plan_variants_force_the_192_row_tiles_per_gemm():
-    name, forced, picked = candidate("plan-t01", 1024, 4, 128, (False, False))
+    name, forced, picked = candidate("plan-t01", 1024, 4, 128)
     assert not picked and name == "plan-t01:plan:n64/n64t+n32/n32t"
     assert [(c1, c2) for c1, c2, _, _ in forced.parts] == [
         ("moe_gemm1_m128n64k256_coop", "moe_gemm2_m192n64k128_coop"),
