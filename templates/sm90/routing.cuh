@@ -62,11 +62,15 @@ struct ExpandArgs {
   int32_t* tile_prefix;  // [num_tiles][num_experts], large path only
 };
 
-// Slots a thread handles per batch in load_tile_experts and publish_rows: a whole count/scatter
-// tile (kTileSlots / kThreads) is one batch, its loads issued before any is used. Loaded and
-// stored one at a time, each slot cost a dependent memory round trip: count and scatter took
-// 13 and 22 us per call whatever M (profile_20261201T032708Z), expand_small 18 us at 2048 slots.
+// Slots a thread handles per batch in load_tile and publish_rows: a whole count/scatter tile
+// (kTileSlots / kThreads) is one batch, its loads issued before any is used. Loaded and stored one
+// at a time, each slot cost a dependent memory round trip: count and scatter took 13 and 22 us per
+// call whatever M (profile_20261201T032708Z), expand_small 18 us at 2048 slots.
 constexpr int kSlotBatch = kTileSlots / kThreads;
+// Blocks per count/scatter tile in the scatter kernel. Each ranks the whole tile and publishes
+// 1/kScatterSplit of it: the maps' scattered 4-byte stores from one SM per tile kept scatter at
+// 20 us with batched loads (profile_20261201T042939Z), the count kernel at 7.
+constexpr int kScatterSplit = 8;
 
 // Local expert of a routing id, or -1 when the slot is dropped. Every index is range-checked
 // before it is used, so no id can cause an out-of-bounds access.
@@ -79,47 +83,50 @@ __device__ __forceinline__ int local_expert(const ExpandArgs<IdT>& a, int64_t id
   return (id >= 0 && id < a.num_experts) ? static_cast<int>(id) : -1;
 }
 
+// The part [lo, hi) of a tile of len slots that block `part` of `parts` publishes.
+__device__ __forceinline__ void part_range(int len, int part, int parts, int* lo, int* hi) {
+  const int per = (len + parts - 1) / parts;
+  *lo = min(part * per, len);
+  *hi = min(*lo + per, len);
+}
+
+// tile_expert[i] = local expert of slot begin + i for i < len, and tile_weight[i - w_lo] = its
+// routing weight for i in [w_lo, w_hi): every load of a batch issued before the first store.
 template <typename IdT>
-__device__ void load_tile_experts(const ExpandArgs<IdT>& a, int begin, int len, int* tile_expert) {
+__device__ void load_tile(const ExpandArgs<IdT>& a, int begin, int len, int* tile_expert, int w_lo, int w_hi,
+                          float* tile_weight) {
   for (int i0 = threadIdx.x; i0 < len; i0 += kThreads * kSlotBatch) {
     int64_t id[kSlotBatch];
+    float w[kSlotBatch];
 #pragma unroll
     for (int u = 0; u < kSlotBatch; ++u) {
       const int i = i0 + u * kThreads;
       id[u] = i < len ? static_cast<int64_t>(__ldg(a.topk_ids + begin + i)) : -1;
+      w[u] = i >= w_lo && i < w_hi ? __ldg(a.topk_weights + begin + i) : 0.0f;
     }
     int e[kSlotBatch];
 #pragma unroll
     for (int u = 0; u < kSlotBatch; ++u) e[u] = local_expert(a, id[u]);
 #pragma unroll
     for (int u = 0; u < kSlotBatch; ++u) {
-      if (i0 + u * kThreads < len) tile_expert[i0 + u * kThreads] = e[u];
+      const int i = i0 + u * kThreads;
+      if (i < len) tile_expert[i] = e[u];
+      if (i >= w_lo && i < w_hi) tile_weight[i - w_lo] = w[u];
     }
   }
 }
 
-// Writes the maps and row weights of the tile's slots (slot = begin + i) from tile_row[i], the
-// row of each slot (-1: dropped), the weights of a batch loaded before any store.
+// Writes the maps and row weights of the tile's slots begin + i, i in [lo, hi), from tile_row[i]
+// (the slot's row, -1: dropped) and tile_weight[i - lo].
 template <typename IdT>
-__device__ void publish_rows(const ExpandArgs<IdT>& a, int begin, int len, const int* tile_row) {
-  for (int i0 = threadIdx.x; i0 < len; i0 += kThreads * kSlotBatch) {
-    int row[kSlotBatch];
-    float w[kSlotBatch];
-#pragma unroll
-    for (int u = 0; u < kSlotBatch; ++u) {
-      const int i = i0 + u * kThreads;
-      row[u] = i < len ? tile_row[i] : -1;
-      w[u] = __ldg(a.topk_weights + begin + min(i, len - 1));  // unconditional: ptxas keeps it in the batch
-    }
-#pragma unroll
-    for (int u = 0; u < kSlotBatch; ++u) {
-      const int i = i0 + u * kThreads;
-      if (i >= len) continue;
-      a.slot_to_row[begin + i] = row[u];
-      if (row[u] >= 0) {
-        a.sorted_slots[row[u]] = begin + i;
-        a.row_weights[row[u]] = w[u];
-      }
+__device__ void publish_rows(const ExpandArgs<IdT>& a, int begin, int lo, int hi, const int* tile_row,
+                             const float* tile_weight) {
+  for (int i = lo + threadIdx.x; i < hi; i += kThreads) {
+    const int row = tile_row[i];
+    a.slot_to_row[begin + i] = row;
+    if (row >= 0) {
+      a.sorted_slots[row] = begin + i;
+      a.row_weights[row] = tile_weight[i - lo];
     }
   }
 }
@@ -276,19 +283,22 @@ __device__ void gather_rows(const ExpandArgs<IdT>& a, const int* row_of_slot, in
   }
 }
 
-// Small inputs, one launch: every block computes the whole routing in shared memory,
-// block 0 publishes the maps, and all blocks gather.
+// Small inputs, one launch: every block computes the whole routing in shared memory, block 0
+// publishes the counts and offsets, each block the maps of its share of the slots, and all gather.
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_small_kernel(ExpandArgs<IdT> a) {
   __shared__ int tile_expert[kSmallSlots];
+  __shared__ float tile_weight[kSmallSlots];
   __shared__ int hist[kWarps * kMaxExperts];
   __shared__ int counts[kMaxExperts];
   __shared__ int offsets[kMaxExperts + 1];
   const int E = a.num_experts;
   const bool publish = blockIdx.x == 0;
+  int lo, hi;  // the slots whose maps this block publishes
+  part_range(a.num_slots, blockIdx.x, gridDim.x, &lo, &hi);
 
   zero_warp_hist(hist);
-  load_tile_experts(a, 0, a.num_slots, tile_expert);
+  load_tile(a, 0, a.num_slots, tile_expert, lo, hi, tile_weight);
   __syncthreads();
   count_per_warp(tile_expert, a.num_slots, hist);
   __syncthreads();
@@ -304,15 +314,13 @@ __global__ void __launch_bounds__(kThreads) expand_small_kernel(ExpandArgs<IdT> 
   // A lane reads tile_expert[s] before it emits s, and no other lane reads s: the row replaces it.
   rank_per_warp(tile_expert, a.num_slots, hist, [&](int s, int row) { tile_expert[s] = row; });
   __syncthreads();
-  if (publish) publish_rows(a, 0, a.num_slots, tile_expert);
+  publish_rows(a, 0, lo, hi, tile_expert, tile_weight);
   gather_rows(a, tile_expert, a.num_slots);
 }
 
-__device__ __forceinline__ int tile_begin() { return blockIdx.x * kTileSlots; }
-
 template <typename IdT>
-__device__ __forceinline__ int tile_len(const ExpandArgs<IdT>& a) {
-  return min(kTileSlots, a.num_slots - tile_begin());
+__device__ __forceinline__ int tile_len(const ExpandArgs<IdT>& a, int tile) {
+  return min(kTileSlots, a.num_slots - tile * kTileSlots);
 }
 
 // Large path 1/4: tile_prefix[b][e] = slots of expert e in tile b.
@@ -320,9 +328,9 @@ template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_count_kernel(ExpandArgs<IdT> a) {
   __shared__ int tile_expert[kTileSlots];
   __shared__ int hist[kWarps * kMaxExperts];
-  const int len = tile_len(a);
+  const int len = tile_len(a, blockIdx.x);
   zero_warp_hist(hist);
-  load_tile_experts(a, tile_begin(), len, tile_expert);
+  load_tile(a, blockIdx.x * kTileSlots, len, tile_expert, 0, 0, nullptr);
   __syncthreads();
   count_per_warp(tile_expert, len, hist);
   __syncthreads();
@@ -361,24 +369,41 @@ __global__ void __launch_bounds__(kThreads) expand_prefix_kernel(ExpandArgs<IdT>
   for (int e = threadIdx.x; e <= E; e += kThreads) a.expert_offsets[e] = offsets[e];
 }
 
-// Large path 3/4: stable rows of the tile's slots; writes the maps and row weights.
+// Large path 3/4 (kScatterSplit blocks per tile): stable rows of the tile's slots; each block
+// writes the maps and row weights of its part of them.
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_scatter_kernel(ExpandArgs<IdT> a) {
+  constexpr int kBasesPerThread = kMaxExperts / kThreads;
   __shared__ int tile_expert[kTileSlots];
+  __shared__ float tile_weight[kTileSlots / kScatterSplit];
   __shared__ int hist[kWarps * kMaxExperts];
-  const int begin = tile_begin();
-  const int len = tile_len(a);
-  const int32_t* tile_prefix = a.tile_prefix + static_cast<int64_t>(blockIdx.x) * a.num_experts;
+  __shared__ int bases[kMaxExperts];
+  const int tile = blockIdx.x / kScatterSplit;
+  const int begin = tile * kTileSlots;
+  const int len = tile_len(a, tile);
+  const int E = a.num_experts;
+  int lo, hi;
+  part_range(len, blockIdx.x % kScatterSplit, kScatterSplit, &lo, &hi);
+  // The first row of each expert in this tile, loaded before the tile so the two round trips overlap.
+  const int32_t* tile_prefix = a.tile_prefix + static_cast<int64_t>(tile) * E;
+  int base[kBasesPerThread];
+#pragma unroll
+  for (int j = 0; j < kBasesPerThread; ++j) {
+    const int e = threadIdx.x + j * kThreads;
+    base[j] = e < E ? __ldg(a.expert_offsets + e) + __ldg(tile_prefix + e) : 0;
+  }
   zero_warp_hist(hist);
-  load_tile_experts(a, begin, len, tile_expert);
+  load_tile(a, begin, len, tile_expert, lo, hi, tile_weight);
+#pragma unroll
+  for (int j = 0; j < kBasesPerThread; ++j) bases[threadIdx.x + j * kThreads] = base[j];
   __syncthreads();
   count_per_warp(tile_expert, len, hist);
   __syncthreads();
-  warp_counts_to_bases(hist, a.num_experts, [&](int e) { return a.expert_offsets[e] + tile_prefix[e]; });
+  warp_counts_to_bases(hist, E, [&](int e) { return bases[e]; });
   __syncthreads();
   rank_per_warp(tile_expert, len, hist, [&](int s, int row) { tile_expert[s] = row; });  // as in expand_small
   __syncthreads();
-  publish_rows(a, begin, len, tile_expert);
+  publish_rows(a, begin, lo, hi, tile_expert, tile_weight);
 }
 
 // Large path 4/4: gather the rows.
@@ -471,7 +496,7 @@ int expand(const IdT* topk_ids, const float* topk_weights, int64_t num_tokens, i
   if (err != cudaSuccess) return err;
   err = launch(expand_prefix_kernel<IdT>, 1, stream, update, a, num_tiles);
   if (err != cudaSuccess) return err;
-  err = launch(expand_scatter_kernel<IdT>, num_tiles, stream, update, a);
+  err = launch(expand_scatter_kernel<IdT>, num_tiles * kScatterSplit, stream, update, a);
   if (err != cudaSuccess) return err;
   return launch(expand_gather_kernel<IdT>, grid_blocks(a.num_slots, kRowsPerTrip, kMaxStreamBlocks), stream, update,
                 a);
