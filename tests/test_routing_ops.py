@@ -98,7 +98,7 @@ def random_inputs(M, k, E, H=H_DEFAULT, seed=0, id_low=0, id_high=None, id_dtype
 
 
 # M * k covers the one-launch path (<= 2048 slots) and the tiled path, with both sides of
-# each boundary (2048 slots, 4096-slot tiles) below.
+# each boundary (2048 slots, 1024-slot tiles, the scatter kernel's 256-slot parts) below.
 @pytest.mark.gpu
 @pytest.mark.parametrize("E", [8, 128, 384])
 @pytest.mark.parametrize("k", [1, 4, 8])
@@ -109,7 +109,8 @@ def test_expand_matches_torch(M, k, E):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,k", [(2048, 1), (2049, 1), (512, 4), (513, 4), (4096, 1), (4097, 1), (1025, 4)])
+@pytest.mark.parametrize("M,k", [(2048, 1), (2049, 1), (512, 4), (513, 4), (4096, 1), (4097, 1), (1025, 4),
+                                 (3073, 1), (3328, 1), (3329, 1)])
 def test_expand_path_boundaries(M, k):
     hidden, ids, weights = random_inputs(M, k, 64, seed=M + k)
     assert_expand_exact(run_expand(hidden, ids, weights, 64), reference_expand(hidden, ids, weights, 64))

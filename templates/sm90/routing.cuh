@@ -28,9 +28,13 @@ constexpr int kMaxExperts = 512;
 // Up to this many slots one launch does everything: every block redoes the (cheap)
 // routing in shared memory and gathers its share of rows. Launch latency dominates here.
 constexpr int kSmallSlots = 2048;
-// Larger inputs are cut into tiles of this many slots (count, prefix, scatter, gather).
-constexpr int kTileSlots = 4096;
-constexpr int kPrefixBatch = 8;
+// Larger inputs are cut into tiles of this many slots (count, prefix, scatter, gather). A block
+// walks its tile serially, per warp: with 4096-slot tiles count took 7 us and scatter 13 whatever
+// M (profile_20261201T043747Z); smaller tiles mean more blocks and more tiles for the prefix.
+constexpr int kTileSlots = 1024;
+// Tiles whose counts one prefix thread loads at once: one dependent L2 round trip per batch, four
+// at M * top_k = 131072.
+constexpr int kPrefixBatch = 32;
 constexpr int kMaxSmallBlocks = 256;
 constexpr int kMaxStreamBlocks = 4096;
 // Rows a block gathers (or a finalize thread sums) per loop trip: independent loads keep
@@ -62,15 +66,16 @@ struct ExpandArgs {
   int32_t* tile_prefix;  // [num_tiles][num_experts], large path only
 };
 
-// Slots a thread handles per batch in load_tile and publish_rows: a whole count/scatter tile
-// (kTileSlots / kThreads) is one batch, its loads issued before any is used. Loaded and stored one
-// at a time, each slot cost a dependent memory round trip: count and scatter took 13 and 22 us per
-// call whatever M (profile_20261201T032708Z), expand_small 18 us at 2048 slots.
-constexpr int kSlotBatch = kTileSlots / kThreads;
-// Blocks per count/scatter tile in the scatter kernel. Each ranks the whole tile and publishes
-// 1/kScatterSplit of it: the maps' scattered 4-byte stores from one SM per tile kept scatter at
-// 20 us with batched loads (profile_20261201T042939Z), the count kernel at 7.
-constexpr int kScatterSplit = 8;
+// Slots a thread loads per batch in load_tile, every load of a batch issued before any is used:
+// a small-path input or a count/scatter tile is one batch. Loaded and stored one at a time, each
+// slot cost a dependent memory round trip: count and scatter took 13 and 22 us per call whatever
+// M (profile_20261201T032708Z), expand_small 18 us at 2048 slots.
+constexpr int kSlotBatch = kSmallSlots / kThreads;
+static_assert(kTileSlots <= kSlotBatch * kThreads, "a tile is one batch");
+// Blocks per tile in the scatter kernel. Each ranks the whole tile and publishes 1/kScatterSplit
+// of it: the maps' scattered 4-byte stores from one block per 4096-slot tile kept scatter at 20 us
+// (profile_20261201T042939Z); eight blocks per tile took it to 13 (profile_20261201T043747Z).
+constexpr int kScatterSplit = 4;
 
 // Local expert of a routing id, or -1 when the slot is dropped. Every index is range-checked
 // before it is used, so no id can cause an out-of-bounds access.
