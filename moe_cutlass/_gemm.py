@@ -127,12 +127,14 @@ def split_plan(rows: int, num_experts: int) -> Plan:
 
 
 # The 192-row versions (three consumer warpgroups, templates/sm90/moe_gemm_kernel.hpp) of the
-# 128-row tiles of up to 64 tokens. The rule does not take them: per GEMM and shape, layer A/B
-# (benchmarks/results/raw/bench_20261201T042445Z_tall_per_gemm.json) put them within -9..+8% of
-# the 128-row tiles with no consistent sign (run-to-run noise ~5%); plan(tall_tiles=...) and
-# benchmarks.ab_tiles's "plan-tXY" candidates measure them.
+# 128-row tiles of up to 64 tokens. Per-GEMM device times on an H200, each GEMM's both variants
+# twice (benchmarks/results/profile_20261201T0448{06,17,27,37}Z.json: --tall 00 / 11 / 10 / 01):
+# the split plan's 32/64-token parts gain on 192 rows (qwen3 M = 256 GEMM1 / GEMM2 -6.7 / -7.8%,
+# gpt-oss M = 1024 GEMM1 -8.2%, dsv3 M = 1024 GEMM1 -1.4%; the worst, dsv4-flash M = 1024 GEMM2,
+# +1.7%), the streaming 8/16-token tiles lose (+2..+12% at M = 4-64 on all shapes but gpt-oss
+# GEMM1 M = 64). So plan() takes them for split plans only.
 TALL_TILES = {f"m128n{n}k256_coop": f"m192n{n}k128_coop" for n in (8, 16, 32, 64)}
-NO_TALL = (False, False)
+BOTH_TALL, NO_TALL = (True, True), (False, False)
 
 
 def tall(config: str, on: bool, available=None) -> str:
@@ -142,21 +144,22 @@ def tall(config: str, on: bool, available=None) -> str:
     return other if available is None or other.replace("moe_gemm2_", "moe_gemm1_", 1) in available else config
 
 
-def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tall_tiles=NO_TALL) -> Plan:
+def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tall_tiles=None) -> Plan:
     """The GEMM launches of a call with `rows` (M * top_k) rows (available: the GEMM1 configs the
     library holds, as for pick_config; GEMM2's follow them): pick_config's one tile up to
     SPLIT_MIN_ROWS rows per expert (streaming tiles) and for batch_invariant (whose bits must not
-    depend on which part a row lands in), split_plan's parts above. tall_tiles[g]: GEMM g+1 runs
-    the 192-row versions of its tiles of up to 64 tokens (not with batch_invariant)."""
+    depend on which part a row lands in), split_plan's parts above, their tiles of up to 64 tokens
+    on 192 rows (TALL_TILES). tall_tiles = (GEMM1, GEMM2) overrides where the tiles of up to 64
+    tokens run on 192 rows (for A/B; not with batch_invariant)."""
     if batch_invariant or rows / max(1, num_experts) <= SPLIT_MIN_ROWS:
-        p = single(pick_config(1, rows, num_experts, available, batch_invariant))
+        p, rule = single(pick_config(1, rows, num_experts, available, batch_invariant)), NO_TALL
     else:
-        p = split_plan(rows, num_experts)
+        p, rule = split_plan(rows, num_experts), BOTH_TALL
         if available is not None and not all(part[0] in available for part in p.parts):
-            p = single(pick_config(1, rows, num_experts, available, batch_invariant))
+            p, rule = single(pick_config(1, rows, num_experts, available, batch_invariant)), NO_TALL
     if batch_invariant:
         return p
-    t1, t2 = tall_tiles
+    t1, t2 = rule if tall_tiles is None else tall_tiles
     return Plan(p.chunk, tuple((tall(c1, t1, available), tall(c2, t2, available), lo, hi)
                                for c1, c2, lo, hi in p.parts))
 
