@@ -29,8 +29,10 @@ constexpr int kMaxExperts = 512;
 // routing in shared memory and gathers its share of rows. Launch latency dominates here.
 constexpr int kSmallSlots = 2048;
 // Larger inputs are cut into tiles of this many slots (count, prefix, scatter, gather). A block
-// walks its tile serially, per warp: with 4096-slot tiles count took 7 us and scatter 13 whatever
-// M (profile_20261201T043747Z); smaller tiles mean more blocks and more tiles for the prefix.
+// walks its tile serially, per warp, so the tile size sets count's and scatter's time whatever M:
+// 4096-slot tiles 7 and 13 us, 1024-slot tiles 3.5 and 5.8, the prefix 2.5 -> 3.0 us (5.5 at
+// M * top_k = 131072) for the 4x more tiles (benchmarks/results/raw/profile_20261201T0441*_lib*.json,
+// one device session).
 constexpr int kTileSlots = 1024;
 // Tiles whose counts one prefix thread loads at once: one dependent L2 round trip per batch, four
 // at M * top_k = 131072.
@@ -73,8 +75,8 @@ struct ExpandArgs {
 constexpr int kSlotBatch = kSmallSlots / kThreads;
 static_assert(kTileSlots <= kSlotBatch * kThreads, "a tile is one batch");
 // Blocks per tile in the scatter kernel. Each ranks the whole tile and publishes 1/kScatterSplit
-// of it: the maps' scattered 4-byte stores from one block per 4096-slot tile kept scatter at 20 us
-// (profile_20261201T042939Z); eight blocks per tile took it to 13 (profile_20261201T043747Z).
+// of it: with one block per 4096-slot tile its scattered 4-byte stores kept scatter at 19.5 us,
+// eight blocks per tile took it to 13.0 (raw/profile_20261201T0437*_lib*.json, one session).
 constexpr int kScatterSplit = 4;
 
 // Local expert of a routing id, or -1 when the slot is dropped. Every index is range-checked
@@ -150,9 +152,9 @@ __device__ __forceinline__ void warp_range(int len, int* begin, int* end) {
 }
 
 // The lanes of the warp whose e equals this lane's (e in [-1, kMaxExperts)): one ballot per bit
-// of e, as CUB's MatchAny. __match_any_sync serializes over the distinct values in the warp (20-32
-// of 32 under real routing): with it, count and scatter took 8 and 22 us for one 4096-slot tile per
-// block, expand_small 25 us at 2048 slots (profile_20261201T042437Z).
+// of e, as CUB's MatchAny, in place of __match_any_sync (whose cost grows with the distinct values
+// in the warp, 20-32 of 32 under real routing). Measured with other changes, on two machines:
+// count 8.1 -> 7.1 us, scatter 21.8 -> 19.6 (raw/profile_20261201T042437Z.json, 042939Z).
 constexpr int kExpertBits = 10;
 static_assert(kMaxExperts < (1 << kExpertBits) - 1, "-1 (all bits set) must not alias an expert");
 
