@@ -41,7 +41,7 @@ ARCH_FLAGS = {
 # pingpong 10-50% slower than 128x128x128 cooperative (even at qwen3's K = 768), 128x128x64
 # 1-13% slower (gpt-oss's K = 2880 pads to 2944 with TileK 128, but the extra k iterations cost more).
 # 192-row tiles: three consumer warpgroups (templates/sm90/moe_gemm_kernel.hpp), TileK 128 (152
-# registers per consumer thread); candidates for moe_cutlass.tuning, not in the built-in rule yet.
+# registers per consumer thread); the split plan's 32/64-token parts (moe_cutlass/_gemm.py TALL_TILES).
 SM90_GEMM_TILES = ((128, 32, 128), (128, 64, 128), (128, 96, 128), (128, 128, 128), (128, 16, 256), (128, 8, 256),
                    (128, 32, 256), (128, 64, 256), (192, 8, 128), (192, 16, 128), (192, 32, 128), (192, 64, 128))
 

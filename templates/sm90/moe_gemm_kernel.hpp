@@ -22,7 +22,9 @@
 // 128-row, TileK 256 tile of the same token width: qwen3 -2..-6% (32/64 tokens, M = 64..1024),
 // gpt-oss -1..-10% (8-token tile at M = 64: 480 -> 435 us), dsv4-flash -6..+6%, dsv3 -8..+9%
 // (worse at M = 1024, where N = 4096 / 7168 leave a partial 192-row tile per expert and K = 7168).
-// Not yet in the built-in rule (moe_cutlass/_gemm.py): tuning's candidates hold them.
+// Per GEMM (device times, each variant twice in one session: profile_20261201T0448{06,17,27,37}Z):
+// the split plan's 32/64-token parts gain up to 8% on 192 rows, the streaming 8/16-token tiles lose
+// 2-12%; the built-in rule (moe_cutlass/_gemm.py plan, TALL_TILES) takes them for the split parts.
 #pragma once
 
 #include "cutlass/cutlass.h"
