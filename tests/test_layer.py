@@ -122,3 +122,17 @@ def test_plan_splits_only_above_the_streaming_tiles():
     assert len(_gemm.plan(4096 * 4, 128, available=every).parts) == 4
     only = ["moe_gemm1_m128n128k128_coop", "moe_gemm1_m128n32k128_coop"]   # a partial build: one tile
     assert _gemm.plan(4096 * 4, 128, available=only) == _gemm.single("moe_gemm1_m128n128k128_coop")
+
+
+def test_split_parts_of_up_to_64_tokens_run_on_192_rows_where_the_library_holds_them():
+    from moe_cutlass import _gemm
+
+    parts = _gemm.plan(4096 * 4, 128).parts
+    assert [(c1[len("moe_gemm1_"):], c2[len("moe_gemm2_"):]) for c1, c2, _, _ in parts] == [
+        ("m128n128k128_coop",) * 2, ("m128n96k128_coop",) * 2, ("m192n64k128_coop",) * 2, ("m192n32k128_coop",) * 2]
+    every = [f"moe_gemm1_{t}" for t in _gemm.SPLIT_TILES]   # a build without the 192-row tiles
+    assert all("_m128" in c for part in _gemm.plan(4096 * 4, 128, available=every).parts for c in part[:2])
+    # the streaming tiles keep 128 rows; an explicit tall_tiles overrides the rule both ways
+    assert _gemm.plan(4 * 128, 128) == _gemm.single("moe_gemm1_m128n8k256_coop")
+    assert _gemm.plan(4 * 128, 128, tall_tiles=_gemm.BOTH_TALL) == _gemm.single("moe_gemm1_m192n8k128_coop")
+    assert all("_m128" in c for part in _gemm.plan(4096 * 4, 128, tall_tiles=_gemm.NO_TALL).parts for c in part[:2])
