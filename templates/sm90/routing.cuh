@@ -204,8 +204,9 @@ __device__ __forceinline__ int sum_over_warps(const int* hist, int e) {
   return total;
 }
 
-// Calls emit(local_slot, row) for every slot of the tile, row = -1 for dropped slots.
-// hist must hold the bases from warp_counts_to_bases.
+// Calls emit(local_slot, row) for every slot of the tile, row = -1 for dropped slots, after the
+// calling lane's last read of tile_expert[local_slot]: emit may overwrite that entry (the expand
+// kernels store the row there). hist must hold the bases from warp_counts_to_bases.
 template <typename Emit>
 __device__ void rank_per_warp(const int* tile_expert, int len, int* hist, Emit emit) {
   int begin, end;
