@@ -1,6 +1,6 @@
 """Where one layer's time goes: device time of every kernel of a fused_moe call (torch.profiler).
 
-usage: python -m benchmarks.profile_stages [--configs a,b] [--ms 1,64,4096] [--reps 20] [--tall XY] [--out-dir DIR]
+usage: python -m benchmarks.profile_stages [--configs a,b] [--ms 1,64,4096] [--reps 20] [--tall XY | --tile T] [--out-dir DIR]
 Writes a "profile" record: per config and M, the mean device microseconds of each kernel (the GEMMs
 named GEMM1 / GEMM2, the launches of a split plan summed, the one-launch layer of small batches LAYER), and each GEMM's achieved bandwidth: the MXFP4 bytes of the active experts'
 weights (4.25 bits per weight) over its time ("gemm_tbps"), the number to hold against the copy rate,
@@ -8,7 +8,9 @@ and its achieved rate in useful FLOPs ("gemm_tflops": 2 * M * k * N * K over its
 work not counted) beside the dense BF16 matmul rate measured in the same run ("bf16_tflops").
 --tall XY runs GEMM1's / GEMM2's tiles of up to 64 tokens in their 192-row versions where X / Y is 1
 (_gemm.plan's tall_tiles; the record keeps "tall"): per-GEMM device times of the two kernels, free
-of the layer benchmark's run-to-run spread.
+of the layer benchmark's run-to-run spread. --tile T runs every call on one tile instead of the
+plan (an ab_tiles candidate: n8k256, or a whole config suffix such as m128n8k128_coop2; the record
+keeps "tile"), for the same per-GEMM A/B of two tiles.
 """
 import argparse
 import functools
@@ -19,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import moe_cutlass as mc
 from moe_cutlass import _gemm
+from benchmarks.ab_tiles import candidate
 from benchmarks.bench_moe import CONFIGS, Timer, measure_floors, random_batch, random_experts
 from benchmarks.record import write_record
 
@@ -86,10 +89,16 @@ def main():
     parser.add_argument("--ms", default="1,16,256,4096")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tall", default=None, help="XY: 192-row tiles for GEMM1 (X=1) / GEMM2 (Y=1)")
+    parser.add_argument("--tile", default=None, help="one tile for every call (an ab_tiles candidate)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
+    if args.tall is not None and args.tile is not None:
+        parser.error("--tall and --tile exclude each other")
     if args.tall is not None:
         _gemm.plan = functools.partial(_gemm.plan, tall_tiles=(args.tall[0] == "1", args.tall[1] == "1"))
+    if args.tile is not None:
+        forced = candidate(args.tile, 1, 1, 1)[1]
+        _gemm.plan = lambda *a, **kw: forced
     floors = measure_floors(Timer(20))
     torch.cuda.empty_cache()
     print(f"dense BF16 matmul {floors['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s, copy "
@@ -101,7 +110,8 @@ def main():
         rows += profile_config(name, [int(m) for m in args.ms.split(",")], args.reps, gen)
         torch.cuda.empty_cache()  # the next shape's weights get this one's memory
     write_record("profile", {"rows": rows, "bf16_tflops": floors["bf16_flops_per_s"] / 1e12,
-                             "copy_tbps": floors["hbm_bytes_per_s"] / 1e12, "tall": args.tall}, args.out_dir)
+                             "copy_tbps": floors["hbm_bytes_per_s"] / 1e12, "tall": args.tall, "tile": args.tile},
+                 args.out_dir)
 
 
 if __name__ == "__main__":

@@ -85,49 +85,64 @@ class MoeEpilogue {
   CUTLASS_HOST_DEVICE MoeEpilogue(Params const& p) : params(p) {}
   CUTLASS_DEVICE bool is_source_needed() { return false; }
 
-  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
-            class TiledMma, class ResidueMNK>
-  CUTLASS_DEVICE void operator()(ProblemShapeMNKL, BlockShapeMNK, BlockCoordMNKL blk_coord_mnkl,
-                                 cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma, ResidueMNK,
-                                 int thread_idx, char*) {
+  // What a tile's epilogue reads from global memory, loaded while its mainloop runs (the kernel
+  // fork, moe_gemm_kernel.hpp): the expert's offsets and this thread's bias rows as the tile starts
+  // (load_begin), then, once the offsets are in (load_rows, from inside the mainloop), the
+  // expert's window and, for GEMM2, this thread's row weights. After the mainloop these were two
+  // dependent round trips per tile at the tail of every tile.
+  struct TileLoads {
+    int32_t lo, hi, first, n_rows;
+    float b_lo, b_hi;
+    float w[Kind == 2 ? TileN / 8 : 1][2];
+  };
+
+  template <class BlockCoordMNKL, class TiledMma>
+  CUTLASS_DEVICE void load_begin(TileLoads& t, BlockCoordMNKL blk_coord_mnkl, TiledMma tiled_mma, int thread_idx) const {
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
     int const e = int(l_coord);
-    int const m0 = int(m_coord) * TileM;
-    int const n0 = int(n_coord) * TileN;
-    int32_t first, n_rows;                                   // this expert's rows in the window
-    params.window.rows(params.offsets[e], params.offsets[e + 1], first, n_rows);
-    int64_t const row_base = first;
-
-    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
-    Tensor cD = make_identity_tensor(make_shape(Int<TileM>{}, Int<TileN>{}));
-    Tensor tCcD = thr_mma.partition_C(cD);                    // (V,MMA_M,MMA_N) -> (m,n)
-    static_assert(decltype(size(tCcD))::value == decltype(size(acc))::value);
-
-    float const* bias = params.bias ? params.bias + int64_t(e) * params.m_pad : nullptr;
-    cutlass::bfloat16_t* out = reinterpret_cast<cutlass::bfloat16_t*>(params.out);
-
-    // accumulator value mode = (2 cols, 2 row halves (+8), TileN/8 col blocks); MMA_M = MMA_N = 1:
-    // value c + 2h + 4j is this thread's (row m_h, column 8j + c'), m_h the same for every j and c.
-    static_assert(size<1>(FrgLayout{}) == 1 && size<2>(FrgLayout{}) == 1, "one atom per warpgroup");
-    static_assert(size<0>(FrgLayout{}) == TileN / 2, "m64nNk16 accumulator");
-    // Every global load before the first store: the compiler may not move a load above a bf16 store
-    // (they could alias), so the loads in the store loop each waited for L1 or L2 in turn; ncu at
-    // qwen3 M=4096 found GEMM2 stalled on L1TEX in 43% of its cycles (benchmarks/NOTES.md).
-    int const m_lo = m0 + get<0>(tCcD(0)), m_hi = m0 + get<0>(tCcD(2));
+    t.lo = params.offsets[e];
+    t.hi = params.offsets[e + 1];
+    auto [m_lo, m_hi] = thread_rows(int(m_coord), tiled_mma, thread_idx);
     // (a 192-row tile's last M tile runs past m_pad: no bias there, and its rows are not stored)
-    float const b_lo = bias && m_lo < params.m_pad ? bias[m_lo] : 0.f;
-    float const b_hi = bias && m_hi < params.m_pad ? bias[m_hi] : 0.f;
+    float const* bias = params.bias ? params.bias + int64_t(e) * params.m_pad : nullptr;
+    t.b_lo = bias && m_lo < params.m_pad ? bias[m_lo] : 0.f;
+    t.b_hi = bias && m_hi < params.m_pad ? bias[m_hi] : 0.f;
+  }
 
+  template <class BlockCoordMNKL, class TiledMma>
+  CUTLASS_DEVICE void load_rows(TileLoads& t, BlockCoordMNKL blk_coord_mnkl, TiledMma tiled_mma, int thread_idx) const {
+    params.window.rows(t.lo, t.hi, t.first, t.n_rows);
     if constexpr (Kind == 2) {
-      float w[TileN / 8][2];
+      int const n0 = int(get<1>(blk_coord_mnkl)) * TileN;
+      Tensor tCcD = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(make_shape(Int<TileM>{}, Int<TileN>{})));
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < TileN / 8; ++j) {
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < 2; ++c) {
           int const n = n0 + get<1>(tCcD(c + 4 * j));
-          w[j][c] = n < n_rows ? params.row_weights[row_base + n] : 0.f;
+          t.w[j][c] = n < t.n_rows ? params.row_weights[int64_t(t.first) + n] : 0.f;
         }
       }
+    }
+  }
+
+  template <class BlockCoordMNKL, class FrgEngine, class FrgLayout, class TiledMma>
+  CUTLASS_DEVICE void store_tile(TileLoads const& t, BlockCoordMNKL blk_coord_mnkl,
+                            cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma, int thread_idx) const {
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
+    int const n0 = int(n_coord) * TileN;
+    int64_t const row_base = t.first;
+    Tensor tCcD = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(make_shape(Int<TileM>{}, Int<TileN>{})));
+    static_assert(decltype(size(tCcD))::value == decltype(size(acc))::value);
+    // accumulator value mode = (2 cols, 2 row halves (+8), TileN/8 col blocks); MMA_M = MMA_N = 1:
+    // value c + 2h + 4j is this thread's (row m_h, column 8j + c'), m_h the same for every j and c.
+    static_assert(size<1>(FrgLayout{}) == 1 && size<2>(FrgLayout{}) == 1, "one atom per warpgroup");
+    static_assert(size<0>(FrgLayout{}) == TileN / 2, "m64nNk16 accumulator");
+    auto [m_lo, m_hi] = thread_rows(int(m_coord), tiled_mma, thread_idx);
+    cutlass::bfloat16_t* out = reinterpret_cast<cutlass::bfloat16_t*>(params.out);
+    bool const has_bias = params.bias != nullptr;
+
+    if constexpr (Kind == 2) {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < TileN / 8; ++j) {
         CUTLASS_PRAGMA_UNROLL
@@ -137,10 +152,10 @@ class MoeEpilogue {
           for (int c = 0; c < 2; ++c) {
             int const i = c + 2 * h + 4 * j;
             int const n = n0 + get<1>(tCcD(i));
-            if (m < params.n_real && n < n_rows) {
+            if (m < params.n_real && n < t.n_rows) {
               float v = acc(i);
-              if (bias) v += h ? b_hi : b_lo;
-              v *= w[j][c];
+              if (has_bias) v += h ? t.b_hi : t.b_lo;
+              v *= t.w[j][c];
               out[(row_base + n) * params.n_real + m] = cutlass::bfloat16_t(v);
             }
           }
@@ -158,9 +173,9 @@ class MoeEpilogue {
           int const ig = c + 4 * j;        // (c, row half 0, j): gate
           int const iu = ig + 2;           // (c, row half 1, j): up, row + 8
           int const n = n0 + get<1>(tCcD(ig));
-          if (col < inter && n < n_rows) {
+          if (col < inter && n < t.n_rows) {
             float g = acc(ig), u = acc(iu);
-            if (bias) { g += b_lo; u += b_hi; }
+            if (has_bias) { g += t.b_lo; u += t.b_hi; }
             float const r = mc_activation(g, u, params.activation, params.alpha, L);
             out[(row_base + n) * inter + col] = cutlass::bfloat16_t(r);
           }
@@ -169,7 +184,27 @@ class MoeEpilogue {
     }
   }
 
+  // The whole epilogue at once, for the stock kernels (the adapter's store()).
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL, BlockShapeMNK, BlockCoordMNKL blk_coord_mnkl,
+                                 cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma, ResidueMNK,
+                                 int thread_idx, char*) {
+    TileLoads t;
+    load_begin(t, blk_coord_mnkl, tiled_mma, thread_idx);
+    load_rows(t, blk_coord_mnkl, tiled_mma, thread_idx);
+    store_tile(t, blk_coord_mnkl, acc, tiled_mma, thread_idx);
+  }
+
  private:
+  // This thread's two accumulator rows in the tile (m, m + 8).
+  template <class TiledMma>
+  CUTLASS_DEVICE static cute::tuple<int, int> thread_rows(int m_coord, TiledMma tiled_mma, int thread_idx) {
+    Tensor tCcD = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(make_shape(Int<TileM>{}, Int<TileN>{})));
+    int const m0 = m_coord * TileM;
+    return {m0 + get<0>(tCcD(0)), m0 + get<0>(tCcD(2))};
+  }
+
   Params params;
 };
 

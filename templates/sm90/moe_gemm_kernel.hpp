@@ -49,13 +49,15 @@
 ///////////////////////////////////////////////////////////////////////////////
 
 namespace moe_cutlass {
-// Schedule tag of the kernel below: ConsumerWarpGroups consumer warpgroups on one tile.
-template <int ConsumerWarpGroups>
+// Schedule tag of the kernel below: ConsumerWarpGroups consumer warpgroups on one tile, CtasPerSm
+// CTAs resident per SM.
+template <int ConsumerWarpGroups, int CtasPerSm = 1>
 struct KernelMoeCooperative {
   static constexpr int kConsumerWarpGroups = ConsumerWarpGroups;
+  static constexpr int kCtasPerSm = CtasPerSm;
 };
 template <class T> struct is_moe_cooperative : cute::false_type {};
-template <int N> struct is_moe_cooperative<KernelMoeCooperative<N>> : cute::true_type {};
+template <int N, int C> struct is_moe_cooperative<KernelMoeCooperative<N, C>> : cute::true_type {};
 }  // namespace moe_cutlass
 
 namespace cutlass::gemm::kernel {
@@ -169,15 +171,18 @@ public:
   static constexpr uint32_t NumMmaThreads = size(TiledMma{});
   static constexpr uint32_t NumMmaWarpGroups = NumMmaThreads / NumThreadsPerWarpGroup;
   static constexpr uint32_t MaxThreadsPerBlock = NumMmaThreads + (NumLoadWarpGroups * NumThreadsPerWarpGroup);
-  static constexpr uint32_t MinBlocksPerMultiprocessor = 1;
+  static constexpr uint32_t MinBlocksPerMultiprocessor = Schedule::kCtasPerSm;
   static constexpr uint32_t NumProducerThreads = CollectiveMainloop::NumProducerThreadEvents;
   static constexpr bool     IsMainloopAuxiliaryLoadNeeded = detail::HasAuxiliaryLoad_v<typename CollectiveMainloop::DispatchPolicy>;
   static_assert(!IsMainloopAuxiliaryLoadNeeded, "the auxiliary-load producer warp is not forked");
 
   /// Register requirement for Load and Math WGs
   static constexpr uint32_t LoadRegisterRequirement = 40;
-  static constexpr uint32_t MmaRegisterRequirement = NumMmaWarpGroups == 2 ? 232 : 152;
-  static_assert(LoadRegisterRequirement * NumThreadsPerWarpGroup + MmaRegisterRequirement * NumMmaThreads <= 65536);
+  // the rest of the CTA's share of the register file, in the multiples of 8 that setmaxnreg takes,
+  // at most 232 (upstream's): 232 for two consumer warpgroups, 152 for three, 104 for two CTAs per SM
+  static constexpr uint32_t MmaRegisterRequirement = cute::min(
+      uint32_t(232), ((65536 / MinBlocksPerMultiprocessor - LoadRegisterRequirement * NumThreadsPerWarpGroup) / NumMmaThreads) & ~7u);
+  static_assert(MinBlocksPerMultiprocessor * (LoadRegisterRequirement * NumThreadsPerWarpGroup + MmaRegisterRequirement * NumMmaThreads) <= 65536);
 
   // 1 stage ordered sequence between mainloop and epilogue producer load threads
   using LoadWarpOrderBarrier = cutlass::OrderedSequenceBarrier<1,2>;
@@ -877,6 +882,10 @@ public:
         // MSVC CTAD breaks if we say "Tensor" here, so we use "auto" instead.
         auto accumulators = partition_fragment_C(tiled_mma, take<0,2>(blk_shape));               // (MMA,MMA_M,MMA_N)
 
+        // (not upstream) the epilogue's global loads go out before and during the mainloop
+        typename CollectiveEpilogue::TileLoads epilogue_loads;
+        collective_epilogue.load_begin(epilogue_loads, blk_coord, tiled_mma, mma_thread_idx);
+
         if (TileScheduler::valid_warpgroup_in_work_tile(work_tile_info)) {
 
           collective_mainloop.mma(
@@ -886,7 +895,8 @@ public:
             work_k_tile_count,
             mma_thread_idx,
             shared_storage.tensors.mainloop,
-            params.mainloop
+            params.mainloop,
+            [&] { collective_epilogue.load_rows(epilogue_loads, blk_coord, tiled_mma, mma_thread_idx); }
           );
 
           // Make sure the math instructions are done and free buffers before entering the epilogue
@@ -910,26 +920,9 @@ public:
 
         if (TileScheduler::compute_epilogue(work_tile_info, params.scheduler)) {
 
-          // Epilogue and write to gD
-          auto [epi_load_pipe_consumer_state_next, epi_store_pipe_producer_state_next] =
-          collective_epilogue.store(
-            epi_load_pipeline,
-            epi_load_pipe_consumer_state,
-            epi_store_pipeline,
-            epi_store_pipe_producer_state,
-            problem_shape_MNKL,
-            blk_shape,
-            blk_coord,
-            accumulators,
-            tiled_mma,
-            mma_thread_idx,
-            shared_storage.tensors.epilogue,
-            epi_store_tensormap,
-            work_tile_info.reduction_subtile_idx()
-          );
-
-          epi_load_pipe_consumer_state = epi_load_pipe_consumer_state_next;
-          epi_store_pipe_producer_state = epi_store_pipe_producer_state_next;
+          // Epilogue and write to gD (not upstream: from the loads issued with the mainloop; our
+          // epilogue has no load or store pipeline, so the pipeline states stay as they are)
+          collective_epilogue.store_tile(epilogue_loads, blk_coord, accumulators, tiled_mma, mma_thread_idx);
           do_store_tail = true;
         }
 

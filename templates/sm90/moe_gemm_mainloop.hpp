@@ -114,8 +114,14 @@ struct Mxfp4MoeMainloop {
   static constexpr int UnitsPerTile = TileK / 64;     // 64-K units per k tile (one 16B load each)
   static constexpr int KBlocks = TileK / 16;          // m64nNk16 k-blocks per k tile
   static constexpr int Groups = TileK / 32;           // MX scale groups per k tile
-  // accumulator chains per warpgroup (registers allow it for small N)
-  static constexpr int NumAcc = TileN <= 16 ? 4 : (TileN <= 32 ? 2 : 1);
+  // CTAs per SM (our kernel fork's schedules; 1 for upstream's)
+  static constexpr int CtasPerSm = [] {
+    if constexpr (is_moe_cooperative<KernelSchedule_>::value) return KernelSchedule_::kCtasPerSm;
+    else return 1;
+  }();
+  // accumulator chains per warpgroup (registers allow it for small N; with two CTAs per SM the
+  // other CTA's warps hide the accumulator dependency, and 104 registers do not hold more chains)
+  static constexpr int NumAcc = CtasPerSm > 1 ? 1 : (TileN <= 16 ? 4 : (TileN <= 32 ? 2 : 1));
 
   // Element types. A: 4-bit container (our permuted e2m1 words); B: bf16 tokens.
   using ElementA = cutlass::uint4b_t;
@@ -377,9 +383,15 @@ struct Mxfp4MoeMainloop {
   // ----------------------------------------------------------------------------------------
   // Consumer side
   // ----------------------------------------------------------------------------------------
-  template <class FrgTensorC>
+  // after_first_tile runs once, after the first k tile's GMMAs were issued and the second k tile
+  // converted (or after the only k tile): the kernel fork issues its epilogue's dependent loads there.
+  struct NoHook {
+    CUTLASS_DEVICE void operator()() const {}
+  };
+  template <class FrgTensorC, class Hook = NoHook>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
-                          int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const& p) {
+                          int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const& p,
+                          Hook const& after_first_tile = Hook{}) {
     static_assert(is_rmem<FrgTensorC>::value, "C tensor must be rmem resident.");
     constexpr int MmaWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
     static_assert(MmaWarpGroups * 64 == TileM, "one 64-row slab per consumer warpgroup");
@@ -469,6 +481,7 @@ struct Mxfp4MoeMainloop {
     warpgroup_fence_operand(accum);
     if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
     if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
+    bool first = true;
     auto run = [&](auto slow) {
       {
         auto token = pipeline.consumer_try_wait(smem_pipe_read);
@@ -503,6 +516,10 @@ struct Mxfp4MoeMainloop {
           auto token = pipeline.consumer_try_wait(smem_pipe_read);
           pipeline.consumer_wait(smem_pipe_read, token);
           convert_tile(slow, smem_pipe_read.index(), frag_next);
+        }
+        if (first) {
+          after_first_tile();
+          first = false;
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(accum);
