@@ -177,12 +177,18 @@ public:
   static_assert(!IsMainloopAuxiliaryLoadNeeded, "the auxiliary-load producer warp is not forked");
 
   /// Register requirement for Load and Math WGs
-  static constexpr uint32_t LoadRegisterRequirement = 40;
-  // the rest of the CTA's share of the register file, in the multiples of 8 that setmaxnreg takes,
-  // at most 232 (upstream's): 232 for two consumer warpgroups, 152 for three, 104 for two CTAs per SM
+  // setmaxnreg moves registers within the CTA's launch allocation (the launch bound's count, a
+  // multiple of 8, per thread): the consumers may take what the producer gives up, no more; asking
+  // for more blocks setmaxnreg.inc for good (a hang, seen on the H200 with 40 / 104 at two CTAs per
+  // SM). Two CTAs per SM: 80 registers per thread at launch, producer 24, consumers 104.
+  static constexpr uint32_t LaunchRegisters = (65536 / (MaxThreadsPerBlock * MinBlocksPerMultiprocessor)) & ~7u;
+  static constexpr uint32_t LoadRegisterRequirement = MinBlocksPerMultiprocessor == 1 ? 40 : 24;
+  // the rest of the launch allocation, in the multiples of 8 that setmaxnreg takes, at most 232
+  // (upstream's): 232 for two consumer warpgroups, 152 for three, 104 for two CTAs per SM
   static constexpr uint32_t MmaRegisterRequirement = cute::min(
-      uint32_t(232), ((65536 / MinBlocksPerMultiprocessor - LoadRegisterRequirement * NumThreadsPerWarpGroup) / NumMmaThreads) & ~7u);
-  static_assert(MinBlocksPerMultiprocessor * (LoadRegisterRequirement * NumThreadsPerWarpGroup + MmaRegisterRequirement * NumMmaThreads) <= 65536);
+      uint32_t(232), ((LaunchRegisters * MaxThreadsPerBlock - LoadRegisterRequirement * NumThreadsPerWarpGroup) / NumMmaThreads) & ~7u);
+  static_assert(LoadRegisterRequirement * NumThreadsPerWarpGroup + MmaRegisterRequirement * NumMmaThreads
+                <= LaunchRegisters * MaxThreadsPerBlock, "setmaxnreg.inc past the launch allocation never returns");
 
   // 1 stage ordered sequence between mainloop and epilogue producer load threads
   using LoadWarpOrderBarrier = cutlass::OrderedSequenceBarrier<1,2>;
