@@ -42,22 +42,21 @@ ARCH_FLAGS = {
 # 1-13% slower (gpt-oss's K = 2880 pads to 2944 with TileK 128, but the extra k iterations cost more).
 # 192-row tiles: three consumer warpgroups (templates/sm90/moe_gemm_kernel.hpp), TileK 128 (152
 # registers per consumer thread); the split plan's 32/64-token parts (moe_cutlass/_gemm.py TALL_TILES).
+# A/B'd and dropped (benchmarks/results/raw/profile_20261201T0543*Z_libe_*coop2.json): 128x8x128 and
+# 128x16x128 with two CTAs per SM (four consumer warps per scheduler, 104 registers each) against
+# 128x8x256 / 128x16x256: gpt-oss M = 4 GEMM1 -15%, M = 64 -4%, but M = 16 +6%, dsv3 +10..+18%,
+# qwen3 M = 4 GEMM1 +20%.
 SM90_GEMM_TILES = ((128, 32, 128), (128, 64, 128), (128, 96, 128), (128, 128, 128), (128, 16, 256), (128, 8, 256),
                    (128, 32, 256), (128, 64, 256), (192, 8, 128), (192, 16, 128), (192, 32, 128), (192, 64, 128))
-# Tiles built to run two CTAs per SM (suffix "_coop2": 104 registers per consumer thread, half the
-# shared memory each): four consumer warps per scheduler instead of two for the streaming decode tiles.
-SM90_GEMM_TILES_2CTA = ((128, 8, 128), (128, 16, 128))
 
 
-def _gemm_configs(tiles, ctas_per_sm=1) -> list:
-    suffix = "_coop" if ctas_per_sm == 1 else f"_coop{ctas_per_sm}"
-    return [KernelConfig(f"moe_gemm{kind}_m{m}n{n}k{k}{suffix}", "moe_gemm.cu.j2",
-                         {"kind": kind, "tile_m": m, "tile_n": n, "tile_k": k, "pingpong": False,
-                          "ctas_per_sm": ctas_per_sm})
+def _gemm_configs(tiles) -> list:
+    return [KernelConfig(f"moe_gemm{kind}_m{m}n{n}k{k}_coop", "moe_gemm.cu.j2",
+                         {"kind": kind, "tile_m": m, "tile_n": n, "tile_k": k, "pingpong": False})
             for m, n, k in tiles for kind in (1, 2)]
 
 
 KERNELS = {
     "sm90": [KernelConfig("routing", "routing.cu.j2"), KernelConfig("moe_decode", "moe_decode.cu.j2"),
-             *_gemm_configs(SM90_GEMM_TILES), *_gemm_configs(SM90_GEMM_TILES_2CTA, 2)],
+             *_gemm_configs(SM90_GEMM_TILES)],
 }

@@ -85,11 +85,14 @@ class MoeEpilogue {
   CUTLASS_HOST_DEVICE MoeEpilogue(Params const& p) : params(p) {}
   CUTLASS_DEVICE bool is_source_needed() { return false; }
 
-  // What a tile's epilogue reads from global memory, loaded while its mainloop runs (the kernel
-  // fork, moe_gemm_kernel.hpp): the expert's offsets and this thread's bias rows as the tile starts
-  // (load_begin), then, once the offsets are in (load_rows, from inside the mainloop), the
-  // expert's window and, for GEMM2, this thread's row weights. After the mainloop these were two
-  // dependent round trips per tile at the tail of every tile.
+  // What a tile's epilogue reads from global memory. GEMM2 loads it while its mainloop runs (the
+  // kernel fork, moe_gemm_kernel.hpp): the expert's offsets and this thread's bias rows as the
+  // tile starts (load_begin), then, once the offsets are in, the expert's window and this thread's
+  // row weights (load_rows, called from inside the mainloop after the first k tile). After the
+  // mainloop these were two dependent round trips at the tail of every tile. GEMM1 (one round
+  // trip, no row weights) loads in store_tile: held through the mainloop its registers cost the
+  // 192-row tiles 1-2% at M = 256-1024, while GEMM2 gained up to 7% (benchmarks/NOTES.md, 2026-12-01 (7)).
+  static constexpr bool kLoadsWithMainloop = Kind == 2;
   struct TileLoads {
     int32_t lo, hi, first, n_rows;
     float b_lo, b_hi;
@@ -98,37 +101,21 @@ class MoeEpilogue {
 
   template <class BlockCoordMNKL, class TiledMma>
   CUTLASS_DEVICE void load_begin(TileLoads& t, BlockCoordMNKL blk_coord_mnkl, TiledMma tiled_mma, int thread_idx) const {
-    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
-    int const e = int(l_coord);
-    t.lo = params.offsets[e];
-    t.hi = params.offsets[e + 1];
-    auto [m_lo, m_hi] = thread_rows(int(m_coord), tiled_mma, thread_idx);
-    // (a 192-row tile's last M tile runs past m_pad: no bias there, and its rows are not stored)
-    float const* bias = params.bias ? params.bias + int64_t(e) * params.m_pad : nullptr;
-    t.b_lo = bias && m_lo < params.m_pad ? bias[m_lo] : 0.f;
-    t.b_hi = bias && m_hi < params.m_pad ? bias[m_hi] : 0.f;
+    if constexpr (kLoadsWithMainloop) issue_begin(t, blk_coord_mnkl, tiled_mma, thread_idx);
   }
 
   template <class BlockCoordMNKL, class TiledMma>
   CUTLASS_DEVICE void load_rows(TileLoads& t, BlockCoordMNKL blk_coord_mnkl, TiledMma tiled_mma, int thread_idx) const {
-    params.window.rows(t.lo, t.hi, t.first, t.n_rows);
-    if constexpr (Kind == 2) {
-      int const n0 = int(get<1>(blk_coord_mnkl)) * TileN;
-      Tensor tCcD = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(make_shape(Int<TileM>{}, Int<TileN>{})));
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < TileN / 8; ++j) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < 2; ++c) {
-          int const n = n0 + get<1>(tCcD(c + 4 * j));
-          t.w[j][c] = n < t.n_rows ? params.row_weights[int64_t(t.first) + n] : 0.f;
-        }
-      }
-    }
+    if constexpr (kLoadsWithMainloop) issue_rows(t, blk_coord_mnkl, tiled_mma, thread_idx);
   }
 
   template <class BlockCoordMNKL, class FrgEngine, class FrgLayout, class TiledMma>
-  CUTLASS_DEVICE void store_tile(TileLoads const& t, BlockCoordMNKL blk_coord_mnkl,
+  CUTLASS_DEVICE void store_tile(TileLoads& t, BlockCoordMNKL blk_coord_mnkl,
                             cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma, int thread_idx) const {
+    if constexpr (!kLoadsWithMainloop) {
+      issue_begin(t, blk_coord_mnkl, tiled_mma, thread_idx);
+      issue_rows(t, blk_coord_mnkl, tiled_mma, thread_idx);
+    }
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
     int const n0 = int(n_coord) * TileN;
     int64_t const row_base = t.first;
@@ -197,6 +184,36 @@ class MoeEpilogue {
   }
 
  private:
+  template <class BlockCoordMNKL, class TiledMma>
+  CUTLASS_DEVICE void issue_begin(TileLoads& t, BlockCoordMNKL blk_coord_mnkl, TiledMma tiled_mma, int thread_idx) const {
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
+    int const e = int(l_coord);
+    t.lo = params.offsets[e];
+    t.hi = params.offsets[e + 1];
+    auto [m_lo, m_hi] = thread_rows(int(m_coord), tiled_mma, thread_idx);
+    // (a 192-row tile's last M tile runs past m_pad: no bias there, and its rows are not stored)
+    float const* bias = params.bias ? params.bias + int64_t(e) * params.m_pad : nullptr;
+    t.b_lo = bias && m_lo < params.m_pad ? bias[m_lo] : 0.f;
+    t.b_hi = bias && m_hi < params.m_pad ? bias[m_hi] : 0.f;
+  }
+
+  template <class BlockCoordMNKL, class TiledMma>
+  CUTLASS_DEVICE void issue_rows(TileLoads& t, BlockCoordMNKL blk_coord_mnkl, TiledMma tiled_mma, int thread_idx) const {
+    params.window.rows(t.lo, t.hi, t.first, t.n_rows);
+    if constexpr (Kind == 2) {
+      int const n0 = int(get<1>(blk_coord_mnkl)) * TileN;
+      Tensor tCcD = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(make_shape(Int<TileM>{}, Int<TileN>{})));
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < TileN / 8; ++j) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 2; ++c) {
+          int const n = n0 + get<1>(tCcD(c + 4 * j));
+          t.w[j][c] = n < t.n_rows ? params.row_weights[int64_t(t.first) + n] : 0.f;
+        }
+      }
+    }
+  }
+
   // This thread's two accumulator rows in the tile (m, m + 8).
   template <class TiledMma>
   CUTLASS_DEVICE static cute::tuple<int, int> thread_rows(int m_coord, TiledMma tiled_mma, int thread_idx) {

@@ -12,6 +12,15 @@
 //  2. Registers per thread follow the warpgroup count: 40 for the producer and 232 for two
 //     consumer warpgroups (upstream's), 152 for three (512 threads x 128 at launch = 65,536).
 //  3. Any warpgroup after the producer is a consumer; consumer warpgroup i is warpgroup i + 1.
+//  4. The consumers start a tile's epilogue loads before its mainloop (epilogue load_begin) and
+//     from inside it, after the first k tile (load_rows, the mainloop's after_first_tile hook), and
+//     store with store_tile; upstream calls the epilogue's store() after the mainloop, so every
+//     tile ended with GEMM2's two dependent global round trips (expert offsets, then the row
+//     weights of the expert's window). Per GEMM2, device times in one session
+//     (benchmarks/results/raw/profile_20261201T0542*Z_lib{d,e}_plan.json, each library twice,
+//     repeats within 0.5%): qwen3 -6.6% at M = 1024, -5.7% at 64, -4% at 16, gpt-oss -2.5% at
+//     M = 1024, the rest 0 to -2%. Every cooperative tile runs on this fork now (the 128-row ones
+//     ran on upstream's kernel, which the fork equals for two consumer warpgroups but for 4.).
 // Everything else is upstream's, line for line, minus the auxiliary-load producer warp (our mainloop
 // has no auxiliary load): kept so that a CUTLASS upgrade diffs against this file cleanly, upstream's
 // own repeated blocks (the epilogue tensormap update at the start and on a group change) included.
@@ -49,15 +58,13 @@
 ///////////////////////////////////////////////////////////////////////////////
 
 namespace moe_cutlass {
-// Schedule tag of the kernel below: ConsumerWarpGroups consumer warpgroups on one tile, CtasPerSm
-// CTAs resident per SM.
-template <int ConsumerWarpGroups, int CtasPerSm = 1>
+// Schedule tag of the kernel below: ConsumerWarpGroups consumer warpgroups on one tile.
+template <int ConsumerWarpGroups>
 struct KernelMoeCooperative {
   static constexpr int kConsumerWarpGroups = ConsumerWarpGroups;
-  static constexpr int kCtasPerSm = CtasPerSm;
 };
 template <class T> struct is_moe_cooperative : cute::false_type {};
-template <int N, int C> struct is_moe_cooperative<KernelMoeCooperative<N, C>> : cute::true_type {};
+template <int N> struct is_moe_cooperative<KernelMoeCooperative<N>> : cute::true_type {};
 }  // namespace moe_cutlass
 
 namespace cutlass::gemm::kernel {
@@ -171,7 +178,7 @@ public:
   static constexpr uint32_t NumMmaThreads = size(TiledMma{});
   static constexpr uint32_t NumMmaWarpGroups = NumMmaThreads / NumThreadsPerWarpGroup;
   static constexpr uint32_t MaxThreadsPerBlock = NumMmaThreads + (NumLoadWarpGroups * NumThreadsPerWarpGroup);
-  static constexpr uint32_t MinBlocksPerMultiprocessor = Schedule::kCtasPerSm;
+  static constexpr uint32_t MinBlocksPerMultiprocessor = 1;
   static constexpr uint32_t NumProducerThreads = CollectiveMainloop::NumProducerThreadEvents;
   static constexpr bool     IsMainloopAuxiliaryLoadNeeded = detail::HasAuxiliaryLoad_v<typename CollectiveMainloop::DispatchPolicy>;
   static_assert(!IsMainloopAuxiliaryLoadNeeded, "the auxiliary-load producer warp is not forked");
@@ -179,12 +186,11 @@ public:
   /// Register requirement for Load and Math WGs
   // setmaxnreg moves registers within the CTA's launch allocation (the launch bound's count, a
   // multiple of 8, per thread): the consumers may take what the producer gives up, no more; asking
-  // for more blocks setmaxnreg.inc for good (a hang, seen on the H200 with 40 / 104 at two CTAs per
-  // SM). Two CTAs per SM: 80 registers per thread at launch, producer 24, consumers 104.
+  // for more blocks setmaxnreg.inc for good (a hang, seen on the H200 with a 2-CTA-per-SM variant).
   static constexpr uint32_t LaunchRegisters = (65536 / (MaxThreadsPerBlock * MinBlocksPerMultiprocessor)) & ~7u;
-  static constexpr uint32_t LoadRegisterRequirement = MinBlocksPerMultiprocessor == 1 ? 40 : 24;
+  static constexpr uint32_t LoadRegisterRequirement = 40;
   // the rest of the launch allocation, in the multiples of 8 that setmaxnreg takes, at most 232
-  // (upstream's): 232 for two consumer warpgroups, 152 for three, 104 for two CTAs per SM
+  // (upstream's): 232 for two consumer warpgroups, 152 for three
   static constexpr uint32_t MmaRegisterRequirement = cute::min(
       uint32_t(232), ((LaunchRegisters * MaxThreadsPerBlock - LoadRegisterRequirement * NumThreadsPerWarpGroup) / NumMmaThreads) & ~7u);
   static_assert(LoadRegisterRequirement * NumThreadsPerWarpGroup + MmaRegisterRequirement * NumMmaThreads

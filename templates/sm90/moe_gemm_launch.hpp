@@ -61,24 +61,20 @@ struct MoeProblemShape {
   CUTLASS_HOST_DEVICE bool is_host_problem_shape_available() const { return false; }
 };
 
-template <int Kind, int TileM, int TileN, int TileK, bool Pingpong, int CtasPerSm = 1>
+template <int Kind, int TileM, int TileN, int TileK, bool Pingpong>
 struct MoeGemmConfig {
   using TileShape = Shape<Int<TileM>, Int<TileN>, Int<TileK>>;
   // Our fork of the cooperative kernel (moe_gemm_kernel.hpp): one 64-row slab per consumer
-  // warpgroup (three for TileM 192), CtasPerSm CTAs resident per SM.
+  // warpgroup (three for TileM 192), the epilogue's loads issued with the mainloop.
   using Schedule = cute::conditional_t<Pingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                                       KernelMoeCooperative<TileM / 64, CtasPerSm>>;
-  static_assert(!Pingpong || CtasPerSm == 1);
+                                       KernelMoeCooperative<TileM / 64>>;
   static constexpr int StageBytes = Mxfp4MoeMainloop<2, TileShape, Schedule>::TmaTransactionBytes;
-  // 227 KB per CTA (228 KB per SM less 1 KB reserved per CTA when two share it), minus the
-  // scheduler/pipeline/tensormap storage
-  static constexpr int kSmemBudget = (CtasPerSm == 1 ? 232448 : 233472 / CtasPerSm - 1024) - 6144;
+  static constexpr int kSmemBudget = 232448 - 6144;   // 227 KB minus scheduler/pipeline/tensormap storage
   static constexpr int StagesRaw = kSmemBudget / (StageBytes + 32);
   // as many stages as fit: small-N tiles stream weights, and bytes in flight set the bandwidth
   static constexpr int Stages = StagesRaw > 24 ? 24 : StagesRaw;
   static_assert(Stages >= 2);
   using Mainloop = Mxfp4MoeMainloop<Stages, TileShape, Schedule>;
-  static constexpr int kCtasPerSm = CtasPerSm;
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<MoeEpilogue<Kind, TileShape>>;
   using ProblemShape = MoeProblemShape;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
@@ -100,7 +96,7 @@ inline typename Cfg::Gemm::Arguments make_args(int E, int sm_count, typename Cfg
   args.mainloop = ml;
   args.epilogue = epi;
   args.hw_info.device_id = 0;
-  args.hw_info.sm_count = sm_count * Cfg::kCtasPerSm;   // the persistent grid: CtasPerSm CTAs per SM
+  args.hw_info.sm_count = sm_count;
   return args;
 }
 

@@ -48,6 +48,9 @@
 //  6. N tiles <= 32 spread the k-blocks over 2-4 independent accumulator chains (small-N GMMAs
 //     are latency bound on the accumulator dependency), summed in a fixed order at the end.
 //  7. Zero points, scale look-up tables, swap-AB and multicast are removed (cluster 1x1 only).
+//  8. mma() takes a hook that runs once, after the first k tile's GMMAs are issued and the next k
+//     tile converted: the kernel fork issues the epilogue's dependent loads there, in the shadow
+//     of the mainloop (moe_gemm_kernel.hpp, 4.).
 //     The Pingpong schedule compiles (TileM 64) but measured slower than Cooperative and is
 //     not in the kernel table.
 //
@@ -114,14 +117,8 @@ struct Mxfp4MoeMainloop {
   static constexpr int UnitsPerTile = TileK / 64;     // 64-K units per k tile (one 16B load each)
   static constexpr int KBlocks = TileK / 16;          // m64nNk16 k-blocks per k tile
   static constexpr int Groups = TileK / 32;           // MX scale groups per k tile
-  // CTAs per SM (our kernel fork's schedules; 1 for upstream's)
-  static constexpr int CtasPerSm = [] {
-    if constexpr (is_moe_cooperative<KernelSchedule_>::value) return KernelSchedule_::kCtasPerSm;
-    else return 1;
-  }();
-  // accumulator chains per warpgroup (registers allow it for small N; with two CTAs per SM the
-  // other CTA's warps hide the accumulator dependency, and 104 registers do not hold more chains)
-  static constexpr int NumAcc = CtasPerSm > 1 ? 1 : (TileN <= 16 ? 4 : (TileN <= 32 ? 2 : 1));
+  // accumulator chains per warpgroup (registers allow it for small N)
+  static constexpr int NumAcc = TileN <= 16 ? 4 : (TileN <= 32 ? 2 : 1);
 
   // Element types. A: 4-bit container (our permuted e2m1 words); B: bf16 tokens.
   using ElementA = cutlass::uint4b_t;
