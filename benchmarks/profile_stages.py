@@ -83,6 +83,21 @@ def profile_config(name, tokens, reps, gen):
     return rows
 
 
+def plan_override(tall=None, tile=None):
+    """What replaces _gemm.plan for --tall XY (the rule with its tiles of up to 64 tokens on 192 rows
+    where X / Y is 1) or --tile T (one tile for every call), or None for the rule itself."""
+    if tall is not None and tile is not None:
+        raise ValueError("--tall and --tile exclude each other")
+    if tall is not None:
+        if len(tall) != 2 or set(tall) - {"0", "1"}:
+            raise ValueError(f"--tall takes two digits 0/1, got {tall!r}")
+        return functools.partial(_gemm.plan, tall_tiles=(tall[0] == "1", tall[1] == "1"))
+    if tile is not None:
+        forced = candidate(tile, 1, 1, 1)[1]
+        return lambda *a, **kw: forced
+    return None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--configs", default=",".join(CONFIGS))
@@ -92,13 +107,12 @@ def main():
     parser.add_argument("--tile", default=None, help="one tile for every call (an ab_tiles candidate)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
-    if args.tall is not None and args.tile is not None:
-        parser.error("--tall and --tile exclude each other")
-    if args.tall is not None:
-        _gemm.plan = functools.partial(_gemm.plan, tall_tiles=(args.tall[0] == "1", args.tall[1] == "1"))
-    if args.tile is not None:
-        forced = candidate(args.tile, 1, 1, 1)[1]
-        _gemm.plan = lambda *a, **kw: forced
+    try:
+        override = plan_override(args.tall, args.tile)
+    except ValueError as ex:
+        parser.error(str(ex))
+    if override is not None:
+        _gemm.plan = override
     floors = measure_floors(Timer(20))
     torch.cuda.empty_cache()
     print(f"dense BF16 matmul {floors['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s, copy "

@@ -1,0 +1,30 @@
+"""benchmarks/profile_stages.py: what replaces the plan for --tall / --tile (the profiling runs on the H200 only)."""
+import pytest
+
+from benchmarks.profile_stages import plan_override
+from moe_cutlass import _gemm
+
+
+def test_no_override_keeps_the_rule():
+    assert plan_override() is None
+
+
+def test_tile_runs_every_call_on_one_tile():
+    forced = plan_override(tile="n8k256")
+    for rows, experts in ((4, 128), (4096 * 8, 128)):
+        assert forced(rows, experts, None) == _gemm.single("moe_gemm1_m128n8k256_coop")
+    assert plan_override(tile="m192n16k128_coop")(64, 128) == _gemm.single("moe_gemm1_m192n16k128_coop")
+
+
+def test_tall_forces_192_rows_per_gemm():
+    rows, experts = 256 * 8, 128   # qwen3 M = 256: the split plan's 32/64-token parts
+    for tall in ("00", "01", "10", "11"):
+        want = _gemm.plan(rows, experts, tall_tiles=(tall[0] == "1", tall[1] == "1"))
+        assert plan_override(tall=tall)(rows, experts) == want
+    assert plan_override(tall="00")(rows, experts) != plan_override(tall="11")(rows, experts)
+
+
+@pytest.mark.parametrize("tall,tile", [("11", "n8k256"), ("1", None), ("12", None), ("ab", None)])
+def test_bad_overrides_are_refused(tall, tile):
+    with pytest.raises(ValueError, match="--tall"):
+        plan_override(tall, tile)
