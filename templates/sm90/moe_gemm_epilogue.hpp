@@ -85,14 +85,15 @@ class MoeEpilogue {
   CUTLASS_HOST_DEVICE MoeEpilogue(Params const& p) : params(p) {}
   CUTLASS_DEVICE bool is_source_needed() { return false; }
 
-  // What a tile's epilogue reads from global memory. GEMM2 loads it while its mainloop runs (the
-  // kernel fork, moe_gemm_kernel.hpp): the expert's offsets and this thread's bias rows as the
-  // tile starts (load_begin), then, once the offsets are in, the expert's window and this thread's
-  // row weights (load_rows, called from inside the mainloop after the first k tile). After the
-  // mainloop these were two dependent round trips at the tail of every tile. GEMM1 (one round
-  // trip, no row weights) loads in store_tile: held through the mainloop its registers cost the
-  // 192-row tiles 1-2% at M = 256-1024, while GEMM2 gained up to 7% (benchmarks/NOTES.md, 2026-12-01 (7)).
-  static constexpr bool kLoadsWithMainloop = Kind == 2;
+  // What a tile's epilogue reads from global memory, loaded while its mainloop runs (the kernel
+  // fork, moe_gemm_kernel.hpp): the expert's offsets and this thread's bias rows as the tile
+  // starts (load_begin), then, once the offsets are in, the expert's window and, for GEMM2, this
+  // thread's row weights (load_rows, called from inside the mainloop after the first k tile).
+  // After the mainloop these were one (GEMM1) or two dependent (GEMM2) round trips at the tail of
+  // every tile. Per GEMM device times (benchmarks/NOTES.md, 2026-12-01 (7)): GEMM2 -2..-7% for
+  // qwen3, 0..-2% elsewhere; GEMM1 on 128-row tiles about -1%; GEMM1 on the 192-row tiles (152
+  // registers per thread) +1..2% at M = 256-1024, so those load in store_tile as before.
+  static constexpr bool kLoadsWithMainloop = Kind == 2 || TileM == 128;
   struct TileLoads {
     int32_t lo, hi, first, n_rows;
     float b_lo, b_hi;
