@@ -16,11 +16,13 @@
 //     from inside it, after the first k tile (load_rows, the mainloop's after_first_tile hook), and
 //     store with store_tile; upstream calls the epilogue's store() after the mainloop, so every
 //     tile ended with GEMM2's two dependent global round trips (expert offsets, then the row
-//     weights of the expert's window). Per GEMM2, device times in one session
-//     (benchmarks/results/raw/profile_20261201T0542*Z_lib{d,e}_plan.json, each library twice,
-//     repeats within 0.5%): qwen3 -6.6% at M = 1024, -5.7% at 64, -4% at 16, gpt-oss -2.5% at
-//     M = 1024, the rest 0 to -2%. Every cooperative tile runs on this fork now (the 128-row ones
-//     ran on upstream's kernel, which the fork equals for two consumer warpgroups but for 4.).
+//     weights of the expert's window), or GEMM1's one. Per GEMM, device times of each library
+//     twice in one session (benchmarks/results/raw/profile_20261201T0542*Z_lib{d,e}_plan.json and
+//     profile_20261201T0557*Z_lib{d,f,g}.json, repeats within 0.5% below M = 4096): GEMM2 qwen3
+//     -3..-7% (M = 16-16384), gpt-oss and dsv4-flash up to -2%; GEMM1 on 128-row tiles about -1%
+//     (its 192-row tiles keep loading after the mainloop: moe_gemm_epilogue.hpp). Every
+//     cooperative tile runs on this fork now (the 128-row ones ran on upstream's kernel, which the
+//     fork equals for two consumer warpgroups but for this item).
 // Everything else is upstream's, line for line, minus the auxiliary-load producer warp (our mainloop
 // has no auxiliary load): kept so that a CUTLASS upgrade diffs against this file cleanly, upstream's
 // own repeated blocks (the epilogue tensormap update at the start and on a group change) included.

@@ -48,11 +48,11 @@
 //  6. N tiles <= 32 spread the k-blocks over 2-4 independent accumulator chains (small-N GMMAs
 //     are latency bound on the accumulator dependency), summed in a fixed order at the end.
 //  7. Zero points, scale look-up tables, swap-AB and multicast are removed (cluster 1x1 only).
+//     The Pingpong schedule compiles (TileM 64) but measured slower than Cooperative and is
+//     not in the kernel table.
 //  8. mma() takes a hook that runs once, after the first k tile's GMMAs are issued and the next k
 //     tile converted: the kernel fork issues the epilogue's dependent loads there, in the shadow
 //     of the mainloop (moe_gemm_kernel.hpp, 4.).
-//     The Pingpong schedule compiles (TileM 64) but measured slower than Cooperative and is
-//     not in the kernel table.
 //
 // Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
 // decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
