@@ -55,8 +55,14 @@ def candidate(tile, M, k, E, available=None):
     if tile.startswith("plan-t"):
         forced = _gemm.plan(M * k, E, available, tall_tiles=(tile[-2] == "1", tile[-1] == "1"))
         return f"{tile}:{label(forced)}", forced, False
-    forced = _gemm.single(f"moe_gemm1_{tile}" if "_" in tile else f"moe_gemm1_m128{tile}_coop")
+    forced = one_tile(tile)
     return tile, forced, label(forced) == label(rule)
+
+
+def one_tile(tile):
+    """The plan that runs every call on one tile: a 128-row cooperative tile (n64k256) or a whole
+    config suffix (m192n16k128_coop), the same for both GEMMs."""
+    return _gemm.single(f"moe_gemm1_{tile}" if "_" in tile else f"moe_gemm1_m128{tile}_coop")
 
 
 def time_tiles(name, tokens, tiles, timer, floors, gen, rounds):

@@ -9,7 +9,7 @@ work not counted) beside the dense BF16 matmul rate measured in the same run ("b
 --tall XY runs GEMM1's / GEMM2's tiles of up to 64 tokens in their 192-row versions where X / Y is 1
 (_gemm.plan's tall_tiles; the record keeps "tall"): per-GEMM device times of the two kernels, free
 of the layer benchmark's run-to-run spread. --tile T runs every call on one tile instead of the
-plan (an ab_tiles candidate: n8k256, or a whole config suffix such as m128n8k128_coop2; the record
+plan (an ab_tiles candidate: n8k256, or a whole config suffix such as m192n16k128_coop; the record
 keeps "tile"), for the same per-GEMM A/B of two tiles.
 """
 import argparse
@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import moe_cutlass as mc
 from moe_cutlass import _gemm
-from benchmarks.ab_tiles import candidate
+from benchmarks.ab_tiles import one_tile
 from benchmarks.bench_moe import CONFIGS, Timer, measure_floors, random_batch, random_experts
 from benchmarks.record import write_record
 
@@ -93,7 +93,7 @@ def plan_override(tall=None, tile=None):
             raise ValueError(f"--tall takes two digits 0/1, got {tall!r}")
         return functools.partial(_gemm.plan, tall_tiles=(tall[0] == "1", tall[1] == "1"))
     if tile is not None:
-        forced = candidate(tile, 1, 1, 1)[1]
+        forced = one_tile(tile)
         return lambda *a, **kw: forced
     return None
 
