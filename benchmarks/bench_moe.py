@@ -140,7 +140,30 @@ def paths_of(M, k, H, I, compare_paths):
     return ((path, (ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_EXPERT_WEIGHTS)),)
 
 
-def bench_config(name, tokens, timer, floors, gen, batch_invariant=False, compare_paths=False):
+def compare_pdl(name, M, run, timer, floor, rounds=3):
+    """Graph replay of `run` captured with and without programmatic dependent launches
+    (ops.PROGRAMMATIC_LAUNCH), timed in alternating order over `rounds` rounds: the median of each
+    variant's per-round medians. Two rows, "pdl" True / False."""
+    graphs = {}
+    for pdl in (True, False):
+        ops.PROGRAMMATIC_LAUNCH = pdl
+        graphs[pdl] = graph_of(run)
+    ops.PROGRAMMATIC_LAUNCH = True
+    times = {pdl: [] for pdl in graphs}
+    for r in range(rounds):
+        for pdl in (True, False) if r % 2 == 0 else (False, True):
+            times[pdl].append(timer.median_us(graphs[pdl].replay))
+    rows = []
+    for pdl, ts in times.items():
+        us = statistics.median(ts)
+        rows.append({"impl": "moe_cutlass", "config": name, "M": M, "mode": "graph", "us": us, "floor_us": floor,
+                     "x_floor": us / floor, "pdl": pdl, "rounds_us": ts})
+        print(f"{name:14s} M={M:6d} pdl={int(pdl)} graph {us:9.1f} us  floor {floor:8.1f} us  x{us / floor:5.2f}  "
+              f"rounds {' '.join(f'{t:.1f}' for t in ts)}", flush=True)
+    return rows
+
+
+def bench_config(name, tokens, timer, floors, gen, batch_invariant=False, compare_paths=False, pdl_ab=False):
     E, H, I, k = CONFIGS[name]
     experts = random_experts(E, H, I, gen)
     rows = []
@@ -157,6 +180,9 @@ def bench_config(name, tokens, timer, floors, gen, batch_invariant=False, compar
         run()
         relerr = relerr_vs_reference(x, experts, weights, ids, out) if M <= RELERR_MAX_TOKENS else None
         floor = floor_us(M, E, H, I, k, ids, floors)
+        if pdl_ab:
+            rows += compare_pdl(name, M, run, timer, floor)
+            continue
         graph = graph_of(run)
         for mode, fn in (("graph", graph.replay), ("eager", run)):
             us = timer.median_us(fn)
@@ -184,6 +210,8 @@ def main():
     parser.add_argument("--batch-invariant", action="store_true", help="time fused_moe(batch_invariant=True)")
     parser.add_argument("--compare-paths", action="store_true",
                         help="time both the one-launch layer and the four launches wherever the former can run")
+    parser.add_argument("--compare-pdl", action="store_true",
+                        help="graph replay only, with and without programmatic dependent launches, interleaved")
     args = parser.parse_args()
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
@@ -198,7 +226,8 @@ def main():
     gen.manual_seed(0)
     rows = []
     for name in names:
-        rows += bench_config(name, tokens, timer, floors, gen, args.batch_invariant, args.compare_paths)
+        rows += bench_config(name, tokens, timer, floors, gen, args.batch_invariant, args.compare_paths,
+                             args.compare_pdl)
         torch.cuda.empty_cache()
     path = write_record("bench", {"floors": floors, "reps": args.reps, "rows": rows}, args.out_dir)
     print(f"record: {path}")

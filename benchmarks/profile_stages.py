@@ -10,7 +10,9 @@ work not counted) beside the dense BF16 matmul rate measured in the same run ("b
 (_gemm.plan's tall_tiles; the record keeps "tall"): per-GEMM device times of the two kernels, free
 of the layer benchmark's run-to-run spread. --tile T runs every call on one tile instead of the
 plan (an ab_tiles candidate: n8k256, or a whole config suffix such as m192n16k128_coop; the record
-keeps "tile"), for the same per-GEMM A/B of two tiles.
+keeps "tile"), for the same per-GEMM A/B of two tiles. The layer's kernels launch in plain stream
+order here (ops.PROGRAMMATIC_LAUNCH off): launched dependent, a kernel's device time would include its
+wait on the kernel before.
 """
 import argparse
 import functools
@@ -20,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import moe_cutlass as mc
-from moe_cutlass import _gemm
+from moe_cutlass import _gemm, ops
 from benchmarks.ab_tiles import one_tile
 from benchmarks.bench_moe import CONFIGS, Timer, measure_floors, random_batch, random_experts
 from benchmarks.record import write_record
@@ -113,6 +115,7 @@ def main():
         parser.error(str(ex))
     if override is not None:
         _gemm.plan = override
+    ops.PROGRAMMATIC_LAUNCH = False
     floors = measure_floors(Timer(20))
     torch.cuda.empty_cache()
     print(f"dense BF16 matmul {floors['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s, copy "

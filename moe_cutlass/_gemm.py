@@ -4,7 +4,7 @@ tiles (pick_config, plan).
 
     mc_sm90_<config>(w_blocks, w_scales, bias, act, act_rows, expert_offsets, row_chunk, rem_lo, rem_hi,
                      row_weights, out, E, N, K, scale_max, activation, swiglu_alpha, swiglu_limit,
-                     workspace, workspace_bytes, stream)
+                     workspace, workspace_bytes, stream, pdl)
 """
 
 import bisect
@@ -222,9 +222,10 @@ def _ptr(t):
 
 def run(config: str, prepared: dict, act: torch.Tensor, expert_offsets: torch.Tensor, out: torch.Tensor,
         N: int, K: int, row_weights=None, activation="silu", swiglu_alpha=1.702, swiglu_limit=None,
-        ws=None, stream=None, check=True, window=ALL_ROWS) -> int:
+        ws=None, stream=None, check=True, window=ALL_ROWS, pdl=0) -> int:
     """Launch one grouped GEMM. `prepared` is layout.prepare_w13/prepare_w2's dict (on the GPU);
     window: (chunk, rem_lo, rem_hi), which of each expert's rows the launch takes (a Plan part's).
+    pdl: the launch mode of templates/sm90/pdl.cuh (0: an ordinary launch; mc_layer uses 1 and 2).
     Returns the status code (raises on non-zero when check=True)."""
     E = prepared["blocks"].shape[0]
     if ws is None:
@@ -234,7 +235,7 @@ def run(config: str, prepared: dict, act: torch.Tensor, expert_offsets: torch.Te
     act_code = ACTIVATIONS[activation] if isinstance(activation, str) else int(activation)
     status = launch(function(config), prepared, act.data_ptr(), act.shape[0], expert_offsets.data_ptr(), _ptr(row_weights),
                     out.data_ptr(), E, N, K, ws.data_ptr(), ws.numel(), stream, act_code, swiglu_alpha, swiglu_limit,
-                    window)
+                    window, pdl)
     if check and status != 0:
         raise RuntimeError(f"mc_sm90_{config} failed: {_lib.library().error_string(status)} ({status})")
     return status
@@ -242,11 +243,11 @@ def run(config: str, prepared: dict, act: torch.Tensor, expert_offsets: torch.Te
 
 def launch(fn, prepared: dict, act: int, act_rows: int, expert_offsets: int, row_weights, out: int, E: int, N: int,
            K: int, ws: int, ws_bytes: int, stream: int, activation=0, swiglu_alpha=1.702, swiglu_limit=None,
-           window=ALL_ROWS) -> int:
+           window=ALL_ROWS, pdl=0) -> int:
     """`run` on data pointers (fn from `function`), for the layer: nothing but the C call; returns its status.
     act_rows: the rows the act buffer holds (its TMA descriptor's extent; the same value every call
     keeps the host's cached descriptors)."""
     limit = math.inf if swiglu_limit is None else float(swiglu_limit)
     return fn(prepared["blocks"].data_ptr(), prepared["scales"].data_ptr(), _ptr(prepared.get("bias")), act, act_rows,
               expert_offsets, *window, row_weights, out, E, N, K, prepared.get("scale_max", MAX_SCALE_BYTE), activation,
-              float(swiglu_alpha), limit, ws, ws_bytes, stream)
+              float(swiglu_alpha), limit, ws, ws_bytes, stream, pdl)

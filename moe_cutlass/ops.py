@@ -157,7 +157,7 @@ class GemmPlan(ctypes.Structure):
     """struct McGemmPlan of templates/sm90/moe_layer_call.h: a _gemm.Plan as mc_layer reads it."""
 
     _fields_ = [("gemm1", _P * MAX_GEMM_PARTS), ("gemm2", _P * MAX_GEMM_PARTS), ("rem_lo", _I32 * MAX_GEMM_PARTS),
-                ("rem_hi", _I32 * MAX_GEMM_PARTS), ("row_chunk", _I32), ("num_parts", _I32)]
+                ("rem_hi", _I32 * MAX_GEMM_PARTS), ("row_chunk", _I32), ("num_parts", _I32), ("pdl", _I32)]
 
 
 class LayerCall(ctypes.Structure):
@@ -194,6 +194,12 @@ FUSED_MAX_TOKENS = 1
 FUSED_MAX_EXPERT_WEIGHTS = 4096 * 2048
 FUSED_KERNEL = "moe_decode"
 
+# GEMM1, GEMM2 and finalize as programmatic dependent launches (templates/sm90/pdl.cuh): each
+# kernel's CTAs start on the SMs the kernel before leaves free, and GEMM2 loads its first weights
+# before GEMM1 completes (benchmarks/NOTES.md, 2026-12-01 (8)). False gives plain stream order, which
+# per-kernel profiles need (a dependent kernel's device time would include its wait).
+PROGRAMMATIC_LAUNCH = True
+
 
 class _Gemms(NamedTuple):
     """The kernels of one call: the GEMM plan for mc_layer (kept alive here, its address passed),
@@ -216,7 +222,8 @@ def fused_max_slots() -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _gemms(slots: int, E: int, batch_invariant: bool, fused: bool, ids_int64: bool, tuned=None) -> _Gemms:
+def _gemms(slots: int, E: int, batch_invariant: bool, fused: bool, ids_int64: bool, tuned=None,
+           pdl: bool = True) -> _Gemms:
     # The GEMM tiles follow the rows per expert, which the host knows only on average (slots / E):
     # _gemm.plan's parts let the device place each expert's rows. A shape that moe_cutlass.tuning
     # measured (tuned: the two config names, or _gemm.PLAN for the rule) runs them as one launch each.
@@ -225,7 +232,7 @@ def _gemms(slots: int, E: int, batch_invariant: bool, fused: bool, ids_int64: bo
         p = _gemm.single(*tuned)
     else:
         p = _gemm.plan(slots, E, _gemm.configs_of(1), batch_invariant)
-    plan = GemmPlan(row_chunk=p.chunk, num_parts=len(p.parts))
+    plan = GemmPlan(row_chunk=p.chunk, num_parts=len(p.parts), pdl=int(pdl))
     for i, (config1, config2, lo, hi) in enumerate(p.parts):
         plan.gemm1[i], plan.gemm2[i] = (ctypes.cast(lib.function(f"mc_sm90_{c}"), ctypes.c_void_p).value
                                         for c in (config1, config2))
@@ -352,7 +359,7 @@ def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_l
     tuned = None
     if _gemm._TUNED and not batch_invariant:
         tuned = _gemm.tuned_configs(device_info(index).name, E, H, I, k, M)
-    gemms = _gemms(M * k, E, batch_invariant, fused, topk_ids.dtype == torch.int64, tuned)
+    gemms = _gemms(M * k, E, batch_invariant, fused, topk_ids.dtype == torch.int64, tuned, PROGRAMMATIC_LAUNCH)
     hidden_ptr, out_ptr = hidden.data_ptr(), out.data_ptr()
     if (hidden_ptr | out_ptr) % 16:
         check_pointers(hidden, out, None)

@@ -91,7 +91,7 @@ def to_cuda(d):
     return _map_tensors(torch.Tensor.cuda, d)
 
 
-def run_gemm2(blocks, scales, bias, x, counts, w, extra_rows=3, config=None, window=None, out=None):
+def run_gemm2(blocks, scales, bias, x, counts, w, extra_rows=3, config=None, window=None, out=None, pdl=0):
     g = _gemm()
     config = config or g.GEMM2_CONFIG
     E, N, _ = blocks.shape
@@ -101,13 +101,13 @@ def run_gemm2(blocks, scales, bias, x, counts, w, extra_rows=3, config=None, win
     total = sum(counts)
     if out is None:
         out = torch.full((total + extra_rows, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    g.run(config, p, x.cuda(), off, out, N, K, row_weights=w.cuda(), window=window or g.ALL_ROWS)
+    g.run(config, p, x.cuda(), off, out, N, K, row_weights=w.cuda(), window=window or g.ALL_ROWS, pdl=pdl)
     torch.cuda.synchronize()
     return out
 
 
 def run_gemm1(blocks, scales, bias, x, counts, gate_up="concat", activation="silu", alpha=1.702, limit=None,
-              extra_rows=3, config=None, window=None, out=None):
+              extra_rows=3, config=None, window=None, out=None, pdl=0):
     g = _gemm()
     config = config or g.GEMM1_CONFIG
     E, N, _ = blocks.shape
@@ -118,7 +118,7 @@ def run_gemm1(blocks, scales, bias, x, counts, gate_up="concat", activation="sil
     if out is None:
         out = torch.full((total + extra_rows, N // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
     g.run(config, p, x.cuda(), off, out, N, K, activation=activation, swiglu_alpha=alpha,
-          swiglu_limit=limit, window=window or g.ALL_ROWS)
+          swiglu_limit=limit, window=window or g.ALL_ROWS, pdl=pdl)
     torch.cuda.synchronize()
     return out
 
@@ -288,6 +288,29 @@ def test_row_windows_take_their_rows_only(kind):
     assert relerr(out[:total].cpu(), ref) < 1e-2
 
 
+@pytest.mark.parametrize("config", CONFIGS1 + CONFIGS2)
+@pytest.mark.parametrize("K", [96, 2880])
+def test_dependent_launch_modes_give_the_same_bits(config, K):
+    """Launched dependent (templates/sm90/pdl.cuh), waiting first or loading the first tile's weights
+    before the tokens (fewer k tiles than stages at K = 96, more at 2880): the bits of an ordinary
+    launch, every row written and none past the last."""
+    gen = torch.Generator().manual_seed(K)
+    counts = [0, 5, 1, 37, 0, 3, 70, 130]
+    N = 192
+    blocks, scales = random_weights(len(counts), N, K, gen)
+    x = torch.randn(sum(counts), K, generator=gen).to(torch.bfloat16)
+    w = torch.rand(sum(counts), generator=gen)
+    run = (lambda pdl: run_gemm1(blocks, scales, None, x, counts, config=config, pdl=pdl)) if "gemm1" in config \
+        else (lambda pdl: run_gemm2(blocks, scales, None, x, counts, w, config=config, pdl=pdl))
+    want = run(0)
+    total = sum(counts)
+    assert not torch.isnan(want[:total].float()).any() and torch.isnan(want[total:].float()).all()
+    for pdl in (1, 2):
+        got = run(pdl)
+        assert torch.equal(got.view(torch.int16)[:total], want.view(torch.int16)[:total]), pdl
+        assert torch.isnan(got[total:].float()).all(), pdl
+
+
 def test_deterministic():
     gen = torch.Generator().manual_seed(9)
     H, I, counts = 256, 128, [40, 0, 90, 7]
@@ -354,6 +377,8 @@ def test_bad_arguments_return_errors():
     assert g.run(g.GEMM1_CONFIG, p, x, off, out, 64, 64, activation=5, check=False) != 0
     for window in ((96, 0, 96), (128, 64, 64), (128, 0, 129), (128, -1, 32), (0, 0, 0)):   # moe_rows.hpp's rules
         assert g.run(g.GEMM2_CONFIG, p, x, off, out, 64, 64, row_weights=w, window=window, check=False) != 0
+    for pdl in (-1, 3):   # pdl.cuh's modes are 0, 1, 2
+        assert g.run(g.GEMM2_CONFIG, p, x, off, out, 64, 64, row_weights=w, pdl=pdl, check=False) != 0
     torch.cuda.synchronize()
 
 

@@ -393,6 +393,55 @@ def test_replayed_calls_take_each_calls_arguments(variant, monkeypatch):
     assert_close(out, mc.reference.fused_moe_float(x, experts, weights, ids, **options))
 
 
+def programmatic_edges(graph) -> list:
+    """The dependency types along the kernel chain of a captured graph, in launch order (True: a
+    programmatic dependent launch on the kernel before)."""
+    runtime = pytest.importorskip("cuda.bindings.runtime")
+    raw = runtime.cudaGraph_t(graph.raw_cuda_graph())
+    err, _, _, _, n = runtime.cudaGraphGetEdges(raw, 0)
+    assert err == runtime.cudaError_t.cudaSuccess
+    err, frm, to, data, n = runtime.cudaGraphGetEdges(raw, n)
+    assert err == runtime.cudaError_t.cudaSuccess
+    after = {int(a): (int(b), d.type) for a, b, d in zip(frm[:n], to[:n], data[:n])}
+    assert len(after) == n  # a chain: every node has at most one successor
+    node = (set(after) - {b for b, _ in after.values()}).pop()
+    kinds = []
+    while node in after:
+        node, kind = after[node]
+        kinds.append(kind == runtime.cudaGraphDependencyType.cudaGraphDependencyTypeProgrammatic)
+    return kinds
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [5, 600])
+def test_gemms_and_finalize_are_programmatic_dependent_launches(M, monkeypatch):
+    """Captured into a caller's graph, the layer is one chain: expand's kernels in stream order, then
+    every GEMM launch and the finalize dependent on the kernel before (templates/sm90/pdl.cuh). The
+    graph, replayed on fresh inputs written into its buffers, gives each call's reference result."""
+    monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 0)
+    x, experts, weights, ids, _ = gpu_case(M, "gpt_oss", seed=50)
+    options = dict(activation="swiglu_oai", swiglu_alpha=1.702, swiglu_limit=7.0)
+    workspace = mc.allocate_workspace(M, ids.shape[1], experts)
+    out = torch.empty(M, experts.hidden_size, dtype=torch.bfloat16, device="cuda")
+    mc.fused_moe(x, experts, weights, ids, out=out, workspace=workspace, **options)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        mc.fused_moe(x, experts, weights, ids, out=out, workspace=workspace, **options)
+    kinds = programmatic_edges(graph)
+    expand_kernels = 1 if M * ids.shape[1] <= 2048 else 4
+    assert kinds[:expand_kernels - 1] == [False] * (expand_kernels - 1)
+    assert kinds[expand_kernels - 1:] == [True] * (len(kinds) - expand_kernels + 1)
+    assert len(kinds) - expand_kernels + 1 >= 3  # GEMM1, GEMM2 (one launch each at least), finalize
+    graph.instantiate()
+    for seed in (51, 52):
+        x2, _, weights2, ids2, _ = gpu_case(M, "gpt_oss", seed=seed)
+        x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert_close(out, mc.reference.fused_moe_float(x2, experts, weights2, ids2, **options))
+
+
 @pytest.mark.gpu
 def test_a_replayed_call_runs_on_the_callers_stream():
     """The graph launches on the current stream: work queued after it on that stream sees its output."""

@@ -84,13 +84,16 @@ int32_t mc_sm90_moe_decode_max_slots(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n32k128_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n32k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n32k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m128n32k128_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm1_m128n32k128_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -113,13 +116,16 @@ size_t mc_sm90_moe_gemm1_m128n32k128_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n32k128_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n32k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n32k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m128n32k128_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm2_m128n32k128_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -142,13 +148,16 @@ size_t mc_sm90_moe_gemm2_m128n32k128_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n64k128_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n64k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n64k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m128n64k128_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm1_m128n64k128_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -171,13 +180,16 @@ size_t mc_sm90_moe_gemm1_m128n64k128_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n64k128_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n64k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n64k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m128n64k128_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm2_m128n64k128_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -200,13 +212,16 @@ size_t mc_sm90_moe_gemm2_m128n64k128_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n96k128_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n96k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n96k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m128n96k128_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm1_m128n96k128_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -229,13 +244,16 @@ size_t mc_sm90_moe_gemm1_m128n96k128_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n96k128_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n96k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n96k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m128n96k128_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm2_m128n96k128_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -258,13 +276,16 @@ size_t mc_sm90_moe_gemm2_m128n96k128_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n128k128_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n128k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n128k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m128n128k128_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm1_m128n128k128_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -287,13 +308,16 @@ size_t mc_sm90_moe_gemm1_m128n128k128_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n128k128_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n128k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n128k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m128n128k128_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm2_m128n128k128_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -316,13 +340,16 @@ size_t mc_sm90_moe_gemm2_m128n128k128_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n16k256_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n16k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n16k256_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m128n16k256_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm1_m128n16k256_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -345,13 +372,16 @@ size_t mc_sm90_moe_gemm1_m128n16k256_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n16k256_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n16k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n16k256_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m128n16k256_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm2_m128n16k256_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -374,13 +404,16 @@ size_t mc_sm90_moe_gemm2_m128n16k256_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n8k256_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n8k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n8k256_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m128n8k256_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm1_m128n8k256_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -403,13 +436,16 @@ size_t mc_sm90_moe_gemm1_m128n8k256_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n8k256_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n8k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n8k256_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m128n8k256_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm2_m128n8k256_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -432,13 +468,16 @@ size_t mc_sm90_moe_gemm2_m128n8k256_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n32k256_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n32k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n32k256_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m128n32k256_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm1_m128n32k256_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -461,13 +500,16 @@ size_t mc_sm90_moe_gemm1_m128n32k256_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n32k256_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n32k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n32k256_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m128n32k256_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm2_m128n32k256_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -490,13 +532,16 @@ size_t mc_sm90_moe_gemm2_m128n32k256_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n64k256_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n64k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n64k256_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m128n64k256_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm1_m128n64k256_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -519,13 +564,16 @@ size_t mc_sm90_moe_gemm1_m128n64k256_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n64k256_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m128n64k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm2_m128n64k256_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m128n64k256_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm2_m128n64k256_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -548,13 +596,16 @@ size_t mc_sm90_moe_gemm2_m128n64k256_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m192n8k128_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m192n8k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm1_m192n8k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m192n8k128_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm1_m192n8k128_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -577,13 +628,16 @@ size_t mc_sm90_moe_gemm1_m192n8k128_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m192n8k128_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m192n8k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm2_m192n8k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m192n8k128_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm2_m192n8k128_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -606,13 +660,16 @@ size_t mc_sm90_moe_gemm2_m192n8k128_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m192n16k128_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m192n16k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm1_m192n16k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m192n16k128_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm1_m192n16k128_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -635,13 +692,16 @@ size_t mc_sm90_moe_gemm1_m192n16k128_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m192n16k128_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m192n16k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm2_m192n16k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m192n16k128_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm2_m192n16k128_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -664,13 +724,16 @@ size_t mc_sm90_moe_gemm2_m192n16k128_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m192n32k128_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m192n32k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm1_m192n32k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m192n32k128_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm1_m192n32k128_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -693,13 +756,16 @@ size_t mc_sm90_moe_gemm1_m192n32k128_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m192n32k128_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m192n32k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm2_m192n32k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m192n32k128_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm2_m192n32k128_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -722,13 +788,16 @@ size_t mc_sm90_moe_gemm2_m192n32k128_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m192n64k128_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m192n64k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm1_m192n64k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m192n64k128_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm1_m192n64k128_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -751,13 +820,16 @@ size_t mc_sm90_moe_gemm1_m192n64k128_coop_shared_memory_bytes(void);
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m192n64k128_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm2_m192n64k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm2_m192n64k128_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm2_m192n64k128_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm2_m192n64k128_coop's GEMM kernel per CTA (pipeline stages included); the

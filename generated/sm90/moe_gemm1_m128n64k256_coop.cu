@@ -19,13 +19,16 @@ extern "C" {
  *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
  * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n64k256_coop_workspace_size(E, number of SMs of the device) bytes
  * (0 today: then workspace may be NULL),
- * private to this launch until it completes. Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
  * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
 int mc_sm90_moe_gemm1_m128n64k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
                        const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                        const float* row_weights, void* out,
                        int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
 /* Workspace bytes of mc_sm90_moe_gemm1_m128n64k256_coop for E experts on a device with num_sms SMs. Host only. */
 size_t mc_sm90_moe_gemm1_m128n64k256_coop_workspace_size(int32_t E, int32_t num_sms);
 /* Dynamic shared memory of mc_sm90_moe_gemm1_m128n64k256_coop's GEMM kernel per CTA (pipeline stages included); the
@@ -47,11 +50,12 @@ extern "C" int mc_sm90_moe_gemm1_m128n64k256_coop(const void* w_blocks, const vo
                                   const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
                                   const float* row_weights, void* out,
                                   int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
-                                  float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                                  float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                                  int32_t pdl) {
   return moe_cutlass::moe_gemm_run<Cfg, 1>(w_blocks, w_scales, bias, act, act_rows, expert_offsets, row_chunk,
                                                    rem_lo, rem_hi, row_weights, out,
                                                    E, N, K, scale_max, activation, swiglu_alpha, swiglu_limit, workspace,
-                                                   workspace_bytes, stream);
+                                                   workspace_bytes, stream, pdl);
 }
 
 static_assert(std::is_same_v<decltype(&mc_sm90_moe_gemm1_m128n64k256_coop), McGemmFn>,

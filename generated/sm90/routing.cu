@@ -136,6 +136,7 @@ extern "C" void mc_layer_call_layout(int64_t* offsets) {
       int64_t(offsetof(McLayerCall, graphs)), int64_t(sizeof(McLayerCall)),
       int64_t(offsetof(McGemmPlan, gemm1)), int64_t(offsetof(McGemmPlan, gemm2)), int64_t(offsetof(McGemmPlan, rem_lo)),
       int64_t(offsetof(McGemmPlan, rem_hi)), int64_t(offsetof(McGemmPlan, row_chunk)), int64_t(offsetof(McGemmPlan, num_parts)),
+      int64_t(offsetof(McGemmPlan, pdl)),
       int64_t(sizeof(McGemmPlan))};
   for (size_t i = 0; i < sizeof(layout) / sizeof(layout[0]); ++i) offsets[i] = layout[i];
 }

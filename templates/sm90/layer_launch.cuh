@@ -85,14 +85,19 @@ inline int launch_all(McLayerCall* c, cudaStream_t stream, routing::NodeUpdate* 
     update->next += 2 * plan.num_parts;
   } else {
     // The parts of one GEMM write disjoint rows; a part runs one kernel after another on `stream`,
-    // so all of them share the GEMM's workspace.
+    // so all of them share the GEMM's workspace. Each GEMM launch is dependent on the kernel before
+    // it (pdl.cuh); only the first GEMM1 after the one-kernel expand, which writes the offsets, must
+    // wait before its scheduler reads them.
+    bool const small = rows <= routing::kSmallSlots;
+    int32_t const first = plan.pdl ? (small ? pdl::kWaitFirst : pdl::kWeightsFirst) : pdl::kOff;
+    int32_t const later = plan.pdl ? pdl::kWeightsFirst : pdl::kOff;
     c->failed = kGemm1;
     for (int p = 0; p < plan.num_parts; ++p) {
       status = plan.gemm1[p](c->w13_blocks, c->w13_scales, c->w13_bias, c->gathered, int32_t(c->act_rows),
                              c->expert_offsets, plan.row_chunk, plan.rem_lo[p], plan.rem_hi[p], nullptr, c->inter, E,
                              int32_t(2 * I), int32_t(H), int32_t(c->w13_scale_max), int32_t(c->activation),
                              c->swiglu_alpha, c->swiglu_limit, c->gemm1_workspace, size_t(c->gemm1_workspace_bytes),
-                             stream);
+                             stream, p == 0 ? first : later);
       if (status) return status;
     }
     // The gathered rows are dead once GEMM1 has read them: GEMM2 writes its rows there. Its
@@ -102,13 +107,13 @@ inline int launch_all(McLayerCall* c, cudaStream_t stream, routing::NodeUpdate* 
       status = plan.gemm2[p](c->w2_blocks, c->w2_scales, c->w2_bias, c->inter, int32_t(c->act_rows),
                              c->expert_offsets, plan.row_chunk, plan.rem_lo[p], plan.rem_hi[p], c->row_weights,
                              c->gathered, E, int32_t(H), int32_t(I), int32_t(c->w2_scale_max), 0, 1.702f, INFINITY,
-                             c->gemm2_workspace, size_t(c->gemm2_workspace_bytes), stream);
+                             c->gemm2_workspace, size_t(c->gemm2_workspace_bytes), stream, later);
       if (status) return status;
     }
   }
   c->failed = kFinalize;
   return routing::finalize(c->gathered, H, rows, c->slot_to_row, c->num_tokens, k, H, c->routed_scaling_factor,
-                           c->out, H, stream, update);
+                           c->out, H, stream, update, plan.pdl != 0);
 }
 
 // The launches captured into v's graph, its kernel nodes in launch order; false if anything
@@ -130,13 +135,15 @@ inline bool capture(McLayerCall* c, Variant& v) {
   while (ok) {  // a chain: each node has one successor, the last none
     cudaGraphNodeType type;
     ok = cudaGraphNodeGetType(v.nodes[count - 1], &type) == cudaSuccess && type == cudaGraphNodeTypeKernel;
-    size_t next = 0;
-    ok = ok && cudaGraphNodeGetDependentNodes(v.nodes[count - 1], nullptr, nullptr, &next) == cudaSuccess &&
+    // The edges into dependent launches are programmatic: a query without edge data would fail as lossy.
+    cudaGraphEdgeData edge[2] = {};
+    cudaGraphNode_t next_node[2] = {};
+    size_t next = 2;
+    ok = ok && cudaGraphNodeGetDependentNodes(v.nodes[count - 1], next_node, edge, &next) == cudaSuccess &&
          next <= 1;
     if (!ok || next == 0) break;
-    ok = count < kMaxNodes &&
-         cudaGraphNodeGetDependentNodes(v.nodes[count - 1], v.nodes + count, nullptr, &next) == cudaSuccess;
-    ++count;
+    ok = count < kMaxNodes;
+    if (ok) v.nodes[count++] = next_node[0];
   }
   v.num_nodes = count;
   ok = ok && count == (v.small ? 1 : 4) + 2 * v.plan.num_parts + 1 &&

@@ -23,6 +23,14 @@
 //     (its 192-row tiles keep loading after the mainloop: moe_gemm_epilogue.hpp). Every
 //     cooperative tile runs on this fork now (the 128-row ones ran on upstream's kernel, which the
 //     fork equals for two consumer warpgroups but for this item).
+//  5. Programmatic dependent launch (templates/sm90/pdl.cuh; upstream's PDL hooks wait at entry and
+//     trigger at the end). mc_layer launches each GEMM dependent on the kernel before it. A GEMM
+//     that follows the kernel which wrote the expert offsets (kWaitFirst) waits before its
+//     scheduler reads them; any other (kWeightsFirst: GEMM2, GEMM1 after the gather kernel, later
+//     parts of a split plan) lets its scheduler read the offsets and its producer load the first
+//     tile's weights and scales before the wait, and only the token loads after it. Both trigger
+//     their dependents right after the wait: the next kernel's CTAs then take each SM as this
+//     one's CTAs leave it (one GEMM CTA fills an SM), and start their own weight loads there.
 // Everything else is upstream's, line for line, minus the auxiliary-load producer warp (our mainloop
 // has no auxiliary load): kept so that a CUTLASS upgrade diffs against this file cleanly, upstream's
 // own repeated blocks (the epilogue tensormap update at the start and on a group change) included.
@@ -56,6 +64,8 @@
 #include "cutlass/trace.h"
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
 #include "cutlass/gemm/kernel/sm90_tile_scheduler_group.hpp"
+
+#include "pdl.cuh"
 
 ///////////////////////////////////////////////////////////////////////////////
 
@@ -606,10 +616,20 @@ public:
     // Wait for all thread blocks in the Cluster
     cluster_wait_fn();
 
+    // (not upstream, item 5) Programmatic dependent launch: unless the producer defers only the
+    // token loads (mainloop load()), nothing is read before the kernel before this one completes.
+    bool tokens_wait = params.mainloop.pdl_mode == moe_cutlass::pdl::kWeightsFirst;
+    if (!tokens_wait) {
+      moe_cutlass::pdl::wait();
+      moe_cutlass::pdl::launch_dependents();
+    }
+
     auto work_tile_info = scheduler.initial_work_tile_info(ClusterShape{});
 
     if (not work_tile_info.is_valid()) {
       // When problem shapes are only on device, the grid launched may be larger than the total number of blocks across groups
+      // (not upstream) A launch with no tile at all still completes after its predecessor (pdl.cuh).
+      if (tokens_wait && blockIdx.x == 0 && blockIdx.y == 0) moe_cutlass::pdl::wait();
       return;
     }
 
@@ -707,7 +727,8 @@ public:
             k_tile_iter, work_k_tile_count,
             lane_idx,
             block_rank_in_cluster,
-            shared_storage.tensors.mainloop
+            shared_storage.tensors.mainloop,
+            tokens_wait
           );
           // Pipeline state is only advanced if there are K tiles to compute
           mainloop_pipe_producer_state.advance(work_k_tile_count);

@@ -172,8 +172,9 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
                         int32_t act_rows, const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo,
                         int32_t rem_hi, const float* row_weights, void* out,
                         int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha, float swiglu_limit, void* workspace,
-                        size_t workspace_bytes, cudaStream_t stream) {
+                        size_t workspace_bytes, cudaStream_t stream, int32_t pdl_mode) {
   constexpr int kInvalid = int(cudaErrorInvalidValue);
+  if (pdl_mode < pdl::kOff || pdl_mode > pdl::kWeightsFirst) return kInvalid;
   if (E <= 0 || N <= 0 || K <= 0 || (K % 32) != 0 || (N % 32) != 0 || act_rows <= 0) return kInvalid;
   if (int64_t(N) * 2 >= (int64_t(1) << 31) || int64_t(K) >= (int64_t(1) << 24)) return kInvalid;
   if (!w_blocks || !w_scales || !act || !expert_offsets || !out) return kInvalid;
@@ -250,7 +251,8 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
     entry.params = params;
     entry.valid = true;
   }
-  if (Cfg::Gemm::run(params, stream) != cutlass::Status::kSuccess) {
+  params.mainloop.pdl_mode = pdl_mode;
+  if (Cfg::Gemm::run(params, stream, nullptr, pdl_mode != pdl::kOff) != cutlass::Status::kSuccess) {
     cudaError_t const err = cudaGetLastError();
     return err != cudaSuccess ? int(err) : int(cudaErrorLaunchFailure);
   }

@@ -83,6 +83,7 @@
 #include "moe_gemm_kernel.hpp"
 #include "moe_rows.hpp"
 #include "mxfp4_math.cuh"
+#include "pdl.cuh"
 
 namespace moe_cutlass {
 using namespace cute;
@@ -238,6 +239,7 @@ struct Mxfp4MoeMainloop {
     int k_pad;
     int k_real;
     int slow_scales;               // some scale byte > kFastScaleMax: the two-multiply conversion
+    int pdl_mode = pdl::kOff;      // set per launch (moe_gemm_run), not cached with the rest
   };
 
   template <class ProblemShape>
@@ -309,7 +311,8 @@ struct Mxfp4MoeMainloop {
   CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState smem_pipe_write,
                            cute::tuple<Ts...> const& load_inputs, cute::tuple<TMs...> const&,
                            BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
-                           int thread_idx, uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
+                           int thread_idx, uint32_t block_rank_in_cluster, TensorStorage& shared_tensors,
+                           bool& tokens_wait) {
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
     Tensor sB_ = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
     Tensor sB = as_position_independent_swizzle_tensor(sB_);
@@ -344,26 +347,57 @@ struct Mxfp4MoeMainloop {
     Tensor tSgS = block_tma_s.partition_S(gS);
     Tensor tSsS = block_tma_s.partition_D(sS);
 
+    using BarrierType = typename MainloopPipeline::ProducerBarrierType;
+    auto load_tokens = [&](int kt, int write_stage, BarrierType* tma_barrier) {
+      if (!b_partial) {
+        copy(p.tma_load_b.with(*tma_barrier, 0), tBgB(_, _, _, kt), tBsB(_, _, _, write_stage));
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < TileN / 8; ++j) {
+          int32_t const r = b_row + 8 * j < row_end ? b_row + 8 * j : p.act_rows;
+          Tensor gBj = local_tile(domain_offset(make_coord(r, 0), mAct), Shape<_8, Int<TileK>>{}, make_coord(0, kt));
+          Tensor sBj = local_tile(sB(_, _, write_stage), Shape<_8, Int<TileK>>{}, make_coord(j, 0));
+          copy(p.tma_load_b8.with(*tma_barrier, 0), block_tma_b8.partition_S(gBj), block_tma_b8.partition_D(sBj));
+        }
+      }
+    };
+
+    // (PDL, pdl.cuh kWeightsFirst) The tokens were written by the kernel before this one, the
+    // weights and the expert offsets long before: the first tile's first stages take their weights
+    // and scales now, the wait comes next, then their tokens. Each stage's barrier already expects
+    // all three, so no consumer reads a stage before its tokens land.
+    if (tokens_wait) {
+      tokens_wait = false;
+      int const early = cute::min(k_tile_count, int(Stages));
+      auto write = smem_pipe_write;
+      auto kit = k_tile_iter;
+      for (int j = 0; j < early; ++j, ++kit, ++write) {
+        pipeline.producer_acquire(write);
+        if (cute::elect_one_sync()) {
+          BarrierType* tma_barrier = pipeline.producer_get_barrier(write);
+          copy(p.tma_load_a.with(*tma_barrier, 0), tAgA(_, _, _, _, *kit), tAsA(_, _, _, _, write.index()));
+          copy(p.tma_load_scale.with(*tma_barrier, 0), tSgS(_, _, _, *kit), tSsS(_, _, _, write.index()));
+        }
+      }
+      pdl::wait();
+      pdl::launch_dependents();
+      for (int j = 0; j < early; ++j, ++k_tile_iter, ++smem_pipe_write) {
+        if (cute::elect_one_sync()) {
+          load_tokens(*k_tile_iter, smem_pipe_write.index(), pipeline.producer_get_barrier(smem_pipe_write));
+        }
+      }
+      k_tile_count -= early;
+    }
+
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       pipeline.producer_acquire(smem_pipe_write);
-      using BarrierType = typename MainloopPipeline::ProducerBarrierType;
       BarrierType* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
       int write_stage = smem_pipe_write.index();
       if (cute::elect_one_sync()) {
         int kt = *k_tile_iter;
         copy(p.tma_load_a.with(*tma_barrier, 0), tAgA(_, _, _, _, kt), tAsA(_, _, _, _, write_stage));
-        if (!b_partial) {
-          copy(p.tma_load_b.with(*tma_barrier, 0), tBgB(_, _, _, kt), tBsB(_, _, _, write_stage));
-        } else {
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < TileN / 8; ++j) {
-            int32_t const r = b_row + 8 * j < row_end ? b_row + 8 * j : p.act_rows;
-            Tensor gBj = local_tile(domain_offset(make_coord(r, 0), mAct), Shape<_8, Int<TileK>>{}, make_coord(0, kt));
-            Tensor sBj = local_tile(sB(_, _, write_stage), Shape<_8, Int<TileK>>{}, make_coord(j, 0));
-            copy(p.tma_load_b8.with(*tma_barrier, 0), block_tma_b8.partition_S(gBj), block_tma_b8.partition_D(sBj));
-          }
-        }
+        load_tokens(kt, write_stage, tma_barrier);
         copy(p.tma_load_scale.with(*tma_barrier, 0), tSgS(_, _, _, kt), tSsS(_, _, _, write_stage));
       }
       ++k_tile_iter;

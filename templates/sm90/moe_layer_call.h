@@ -23,10 +23,12 @@ typedef int (*McGemmFn)(const void* w_blocks, const void* w_scales, const float*
                         int32_t rem_hi, const float* row_weights, void* out,
                         int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation,
                         float swiglu_alpha, float swiglu_limit, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream);
+                        cudaStream_t stream, int32_t pdl);
 /* The GEMM launches of a call: each GEMM as num_parts launches, part p with configs gemm1[p] / gemm2[p]
  * over the rows that the window (row_chunk, rem_lo[p], rem_hi[p]) takes of every expert (moe_rows.hpp):
- * the device decides which part, so which token tile, each expert's rows go to. Unused entries are 0. */
+ * the device decides which part, so which token tile, each expert's rows go to. Unused entries are 0.
+ * pdl: 1 launches the GEMMs and finalize as programmatic dependent launches (templates/sm90/pdl.cuh),
+ * 0 in plain stream order (per-kernel profiles: a dependent kernel's time would include its wait). */
 #define MC_MAX_GEMM_PARTS 4
 struct McGemmPlan {
   McGemmFn gemm1[MC_MAX_GEMM_PARTS];
@@ -35,6 +37,7 @@ struct McGemmPlan {
   int32_t rem_hi[MC_MAX_GEMM_PARTS];
   int32_t row_chunk;
   int32_t num_parts;
+  int32_t pdl;
 };
 
 /* The signature of the one-launch layer (mc_sm90_moe_decode): the whole call from its argument block. */

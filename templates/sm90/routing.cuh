@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include "mxfp4_math.cuh"
+#include "pdl.cuh"
 
 namespace moe_cutlass {
 namespace routing {
@@ -295,6 +296,9 @@ __device__ void gather_rows(const ExpandArgs<IdT>& a, const int* row_of_slot, in
 // publishes the counts and offsets, each block the maps of its share of the slots, and all gather.
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_small_kernel(ExpandArgs<IdT> a) {
+  // GEMM1 waits for this kernel before its scheduler reads the offsets (pdl.cuh, kWaitFirst); its
+  // CTAs start their prologue on the SMs this kernel leaves free.
+  pdl::launch_dependents();
   __shared__ int tile_expert[kSmallSlots];
   __shared__ float tile_weight[kSmallSlots];
   __shared__ int hist[kWarps * kMaxExperts];
@@ -417,6 +421,9 @@ __global__ void __launch_bounds__(kThreads) expand_scatter_kernel(ExpandArgs<IdT
 // Large path 4/4: gather the rows.
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_gather_kernel(ExpandArgs<IdT> a) {
+  // GEMM1 (pdl.cuh, kWeightsFirst: the offsets come from the kernels before this one) loads its
+  // first weights on the SMs this kernel's last blocks leave free.
+  pdl::launch_dependents();
   gather_rows(a, a.slot_to_row, a.num_slots);
 }
 
@@ -437,12 +444,21 @@ struct Same {
   using type = T;
 };
 
+// dependent: a programmatic dependent launch on the kernel before it (pdl.cuh); the kernel waits.
 template <class... P>
-inline cudaError_t launch(void (*kernel)(P...), int grid, cudaStream_t stream, NodeUpdate* update,
+inline cudaError_t launch(void (*kernel)(P...), int grid, cudaStream_t stream, NodeUpdate* update, bool dependent,
                           typename Same<P>::type... args) {
   if (update == nullptr) {
-    kernel<<<grid, kThreads, 0, stream>>>(args...);
-    return cudaGetLastError();
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(kThreads);
+    cfg.stream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = dependent ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kernel, args...);
   }
   void* params[] = {static_cast<void*>(&args)...};
   cudaKernelNodeParams node = {};
@@ -493,20 +509,20 @@ int expand(const IdT* topk_ids, const float* topk_weights, int64_t num_tokens, i
                     slot_to_row, static_cast<__nv_bfloat16*>(gathered), gathered_stride,
                     row_weights, workspace};
   if (a.num_slots <= kSmallSlots) {
-    return launch(expand_small_kernel<IdT>, grid_blocks(a.num_slots, kRowsPerTrip, kMaxSmallBlocks), stream, update,
+    return launch(expand_small_kernel<IdT>, grid_blocks(a.num_slots, kRowsPerTrip, kMaxSmallBlocks), stream, update, false,
                   a);
   }
   const int num_tiles = ceil_div(a.num_slots, kTileSlots);
   if (workspace == nullptr || workspace_ints < expand_workspace_ints(num_tokens, top_k, num_experts)) {
     return cudaErrorInvalidValue;
   }
-  cudaError_t err = launch(expand_count_kernel<IdT>, num_tiles, stream, update, a);
+  cudaError_t err = launch(expand_count_kernel<IdT>, num_tiles, stream, update, false, a);
   if (err != cudaSuccess) return err;
-  err = launch(expand_prefix_kernel<IdT>, 1, stream, update, a, num_tiles);
+  err = launch(expand_prefix_kernel<IdT>, 1, stream, update, false, a, num_tiles);
   if (err != cudaSuccess) return err;
-  err = launch(expand_scatter_kernel<IdT>, num_tiles * kScatterSplit, stream, update, a);
+  err = launch(expand_scatter_kernel<IdT>, num_tiles * kScatterSplit, stream, update, false, a);
   if (err != cudaSuccess) return err;
-  return launch(expand_gather_kernel<IdT>, grid_blocks(a.num_slots, kRowsPerTrip, kMaxStreamBlocks), stream, update,
+  return launch(expand_gather_kernel<IdT>, grid_blocks(a.num_slots, kRowsPerTrip, kMaxStreamBlocks), stream, update, false,
                 a);
 }
 
@@ -526,6 +542,7 @@ struct FinalizeArgs {
 // One thread per 16-byte chunk of an output row: fp32 sum over j in order 0..k-1, then
 // one multiply by the scaling factor and one rounding to bf16.
 __global__ void __launch_bounds__(kThreads) finalize_kernel(FinalizeArgs a) {
+  pdl::wait();  // launched dependent on GEMM2 by mc_layer (pdl.cuh); a no-op otherwise
   const int64_t n = a.num_tokens * a.chunks_per_row;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
@@ -559,7 +576,8 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(FinalizeArgs a) {
 
 inline int finalize(const void* rows, int64_t rows_stride, int64_t num_rows, const int32_t* slot_to_row,
                     int64_t num_tokens, int top_k, int64_t hidden_size, float routed_scaling_factor,
-                    void* out, int64_t out_stride, cudaStream_t stream, NodeUpdate* update = nullptr) {
+                    void* out, int64_t out_stride, cudaStream_t stream, NodeUpdate* update = nullptr,
+                    bool dependent = false) {
   if (num_tokens < 0 || top_k < 1 || num_rows < 0 || hidden_size <= 0 ||
       hidden_size % kBf16PerChunk != 0 || rows_stride < hidden_size || out_stride < hidden_size ||
       rows_stride % kBf16PerChunk != 0 || out_stride % kBf16PerChunk != 0 || !aligned16(rows) ||
@@ -572,7 +590,7 @@ inline int finalize(const void* rows, int64_t rows_stride, int64_t num_rows, con
                  num_tokens, top_k, hidden_size / kBf16PerChunk, routed_scaling_factor,
                  static_cast<__nv_bfloat16*>(out), out_stride};
   return launch(finalize_kernel, grid_blocks(num_tokens * a.chunks_per_row, kThreads, kMaxStreamBlocks), stream,
-                update, a);
+                update, dependent, a);
 }
 
 }  // namespace routing
