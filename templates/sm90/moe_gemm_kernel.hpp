@@ -488,6 +488,15 @@ public:
     // Kernel level shared memory storage
     SharedStorage& shared_storage = *reinterpret_cast<SharedStorage*>(smem_buf);
 
+    // (not upstream, item 5) Programmatic dependent launch: unless the producer defers only the
+    // token loads (mainloop load()), nothing is read before the kernel before this one completes,
+    // the grouped scheduler's constructor below included (it reads the first problem shapes).
+    bool tokens_wait = params.mainloop.pdl_mode == moe_cutlass::pdl::kWeightsFirst;
+    if (!tokens_wait) {
+      moe_cutlass::pdl::wait();
+      moe_cutlass::pdl::launch_dependents();
+    }
+
     auto scheduler = [&] () {
       // Group scheduler requires a different constructor that takes a response ptr
       if constexpr (cute::is_same_v<SchedulerTag, GroupScheduler>) {
@@ -616,13 +625,6 @@ public:
     // Wait for all thread blocks in the Cluster
     cluster_wait_fn();
 
-    // (not upstream, item 5) Programmatic dependent launch: unless the producer defers only the
-    // token loads (mainloop load()), nothing is read before the kernel before this one completes.
-    bool tokens_wait = params.mainloop.pdl_mode == moe_cutlass::pdl::kWeightsFirst;
-    if (!tokens_wait) {
-      moe_cutlass::pdl::wait();
-      moe_cutlass::pdl::launch_dependents();
-    }
 
     auto work_tile_info = scheduler.initial_work_tile_info(ClusterShape{});
 
