@@ -23,7 +23,6 @@
 #include <cstring>
 
 #include "moe_layer_call.h"
-#include "prepared.cuh"
 #include "routing.cuh"
 
 namespace moe_cutlass {
@@ -70,30 +69,18 @@ struct Graphs {
 inline int launch_all(McLayerCall* c, cudaStream_t stream, routing::NodeUpdate* update) {
   int32_t const k = int32_t(c->top_k), E = int32_t(c->num_experts);
   int64_t const H = c->hidden_size, I = c->intermediate_size, rows = c->num_tokens * c->top_k;
-  McGemmPlan const& plan = *c->plan;
-  bool const small = rows <= routing::kSmallSlots;
-  // One GEMM1 launch after the one-kernel expand: that kernel asks L2 for the first 64 KB of each
-  // slab that the first wave of GEMM1's 128-row tiles reads (two slabs per SM).
-  routing::WeightPrefetch prefetch;
-  if (small && plan.num_parts == 1) {
-    int64_t const k_pad = (H + kKPad - 1) / kKPad * kKPad, n_pad = (2 * I + kRowPad - 1) / kRowPad * kRowPad;
-    prefetch.blocks = static_cast<const uint8_t*>(c->w13_blocks);
-    prefetch.slab_bytes = k_pad / 64 * kUnitBytes;
-    prefetch.slabs_per_expert = int(n_pad / kSlabRows);
-    prefetch.bytes = int(prefetch.slab_bytes < 65536 ? prefetch.slab_bytes : 65536);
-    prefetch.slabs = 2 * device_sm_count();
-  }
   c->failed = kExpand;
   int status = c->ids_int64
       ? routing::expand(static_cast<const int64_t*>(c->topk_ids), c->topk_weights, c->num_tokens, k, c->expert_map,
                         c->num_global_experts, E, c->hidden, H, H, c->expert_counts, c->expert_offsets,
                         c->sorted_slots, c->slot_to_row, c->gathered, H, c->row_weights, c->expand_workspace,
-                        c->expand_workspace_ints, stream, update, prefetch)
+                        c->expand_workspace_ints, stream, update)
       : routing::expand(static_cast<const int32_t*>(c->topk_ids), c->topk_weights, c->num_tokens, k, c->expert_map,
                         c->num_global_experts, E, c->hidden, H, H, c->expert_counts, c->expert_offsets,
                         c->sorted_slots, c->slot_to_row, c->gathered, H, c->row_weights, c->expand_workspace,
-                        c->expand_workspace_ints, stream, update, prefetch);
+                        c->expand_workspace_ints, stream, update);
   if (status) return status;
+  McGemmPlan const& plan = *c->plan;
   if (update != nullptr) {
     update->next += 2 * plan.num_parts;
   } else {
@@ -101,6 +88,7 @@ inline int launch_all(McLayerCall* c, cudaStream_t stream, routing::NodeUpdate* 
     // so all of them share the GEMM's workspace. Each GEMM launch is dependent on the kernel before
     // it (pdl.cuh); only the first GEMM1 after the one-kernel expand, which writes the offsets, must
     // wait before its scheduler reads them.
+    bool const small = rows <= routing::kSmallSlots;
     int32_t const first = plan.pdl ? (small ? pdl::kWaitFirst : pdl::kWeightsFirst) : pdl::kOff;
     int32_t const later = plan.pdl ? pdl::kWeightsFirst : pdl::kOff;
     c->failed = kGemm1;

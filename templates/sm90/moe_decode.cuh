@@ -53,7 +53,6 @@
 
 #include "moe_layer_call.h"
 #include "mxfp4_math.cuh"
-#include "prepared.cuh"
 
 namespace moe_cutlass {
 namespace decode {
@@ -67,6 +66,8 @@ constexpr int kItemRows = 64;         // weight rows per item (4 x m16): one sla
 constexpr int kItemTokens = 16;       // token rows per item (2 x n8)
 constexpr int kChunkUnits = 8;        // 64-K units per stage (K 512)
 constexpr int kStages = 5;
+constexpr int kRowPad = 128;          // layout.py: weight rows padded to 128, K to 64
+constexpr int kKPad = 64;
 // Stage: A [unit][2 KB], scales [group][64 B], B [token][K 512 bf16 + 16 B pad]. The pad makes
 // the B fragment loads conflict free (token n's row starts 4 banks after token n-1's).
 constexpr int kBRowBytes = kChunkUnits * 64 * 2 + 16;

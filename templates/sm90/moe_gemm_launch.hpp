@@ -30,10 +30,13 @@
 #include "moe_gemm_mainloop.hpp"
 #include "moe_gemm_epilogue.hpp"
 #include "moe_rows.hpp"
-#include "prepared.cuh"
 
 namespace moe_cutlass {
 
+// Prepared-layout padding (must match moe_cutlass/layout.py): weight rows to a multiple of 128,
+// K to a multiple of 64.
+constexpr int kRowPad = 128;
+constexpr int kKPad = 64;
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // The grouped GEMM's problem shapes, (Npad, this launch's rows of expert e, Kp), computed from
@@ -108,6 +111,18 @@ inline MoeWorkspaceLayout workspace_layout(int E, int sm_count) {
   o = align_up(o + Cfg::Gemm::get_workspace_size(args), 128);
   L.total = o;
   return L;
+}
+
+inline int device_sm_count() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return -1;
+  static int cached_dev = -1, cached_sms = -1;   // benign race: both writers store the same value
+  if (dev == cached_dev && cached_sms > 0) return cached_sms;
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return -1;
+  cached_sms = sms;
+  cached_dev = dev;
+  return sms;
 }
 
 template <class Cfg>

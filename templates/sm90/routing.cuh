@@ -47,18 +47,6 @@ constexpr int kBf16PerChunk = 8;
 
 static_assert(kMaxExperts % kThreads == 0, "block scan assumes whole experts per thread");
 
-// The GEMM1 weights that the first wave of GEMM1's CTAs reads first: the leading `bytes` of every
-// 64-row slab of the first active experts (in expert order, the grouped scheduler's), up to
-// `slabs` slabs. expand_small asks L2 for them as soon as it knows the active experts, so that
-// they stream in while it finishes and GEMM1 waits for it (a hint: nothing depends on it).
-struct WeightPrefetch {
-  const uint8_t* blocks = nullptr;  // GEMM1's prepared blocks [E][Npad/64][Kp/64][2048]; nullptr: none
-  int64_t slab_bytes = 0;           // Kp / 64 * 2048
-  int slabs_per_expert = 0;         // Npad / 64
-  int bytes = 0;                    // a multiple of 16, at most slab_bytes
-  int slabs = 0;
-};
-
 template <typename IdT>
 struct ExpandArgs {
   const IdT* topk_ids;
@@ -79,28 +67,7 @@ struct ExpandArgs {
   int64_t gathered_stride;
   float* row_weights;
   int32_t* tile_prefix;  // [num_tiles][num_experts], large path only
-  WeightPrefetch prefetch;  // small path only
 };
-
-// One warp: p's slabs, experts found 32 at a time by ballot over counts (shared memory).
-__device__ inline void prefetch_first_wave(const WeightPrefetch& p, const int* counts, int E) {
-  const int lane = threadIdx.x % 32;
-  int taken = 0;
-  for (int base = 0; base < E && taken < p.slabs; base += 32) {
-    unsigned active = __ballot_sync(0xffffffffu, base + lane < E && counts[base + lane] > 0);
-    while (active != 0 && taken < p.slabs) {
-      const int e = base + __ffs(active) - 1;
-      active &= active - 1;
-      const int n = min(p.slabs_per_expert, p.slabs - taken);
-      const uint8_t* expert = p.blocks + int64_t(e) * p.slabs_per_expert * p.slab_bytes;
-      for (int j = lane; j < n; j += 32) {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(expert + j * p.slab_bytes), "r"(p.bytes)
-                     : "memory");
-      }
-      taken += n;
-    }
-  }
-}
 
 // Slots a thread loads per batch in load_tile, every load of a batch issued before any is used:
 // a small-path input or a count/scatter tile is one batch. Loaded and stored one at a time, each
@@ -349,7 +316,6 @@ __global__ void __launch_bounds__(kThreads) expand_small_kernel(ExpandArgs<IdT> 
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += kThreads) counts[e] = sum_over_warps(hist, e);
   __syncthreads();
-  if (publish && a.prefetch.blocks != nullptr && threadIdx.x < 32) prefetch_first_wave(a.prefetch, counts, E);
   block_exclusive_scan(counts, offsets, E);
   if (publish) {
     for (int e = threadIdx.x; e < E; e += kThreads) a.expert_counts[e] = counts[e];
@@ -522,7 +488,7 @@ int expand(const IdT* topk_ids, const float* topk_weights, int64_t num_tokens, i
            const void* hidden, int64_t hidden_stride, int64_t hidden_size, int32_t* expert_counts,
            int32_t* expert_offsets, int32_t* sorted_slots, int32_t* slot_to_row, void* gathered,
            int64_t gathered_stride, float* row_weights, int32_t* workspace, int64_t workspace_ints,
-           cudaStream_t stream, NodeUpdate* update = nullptr, WeightPrefetch const& prefetch = WeightPrefetch{}) {
+           cudaStream_t stream, NodeUpdate* update = nullptr) {
   const bool bad_sizes = num_tokens < 0 || top_k < 1 || num_experts < 1 || num_experts > kMaxExperts ||
                          hidden_size <= 0 || hidden_size % kBf16PerChunk != 0 ||
                          hidden_size / kBf16PerChunk > INT_MAX || num_tokens * top_k > INT_MAX || (expert_map != nullptr && num_global_experts < 0);
@@ -541,7 +507,7 @@ int expand(const IdT* topk_ids, const float* topk_weights, int64_t num_tokens, i
                     static_cast<const __nv_bfloat16*>(hidden), hidden_stride,
                     hidden_size / kBf16PerChunk, expert_counts, expert_offsets, sorted_slots,
                     slot_to_row, static_cast<__nv_bfloat16*>(gathered), gathered_stride,
-                    row_weights, workspace, prefetch};
+                    row_weights, workspace};
   if (a.num_slots <= kSmallSlots) {
     return launch(expand_small_kernel<IdT>, grid_blocks(a.num_slots, kRowsPerTrip, kMaxSmallBlocks), stream, update, false,
                   a);
