@@ -17,6 +17,11 @@
 // A variant is (the GEMM plan's configs and windows, expand's one-kernel or four-kernel path); a block
 // keeps up to kVariants of them and replaces the oldest. Errors while capturing make the variant
 // launch directly from then on; the results are the same kernels either way.
+//
+// With plan.pdl every kernel after the first is a programmatic dependent launch on the one before
+// (pdl.cuh): its CTAs take the SMs the previous kernel leaves, and a GEMM loads its first weights
+// before it waits. Graph replay, one run with the same library (benchmarks/NOTES.md 2026-12-01 (8)):
+// -3% at qwen3 M = 4, gpt-oss M = 4 and qwen3 M = 1024-4096, -7% at dsv3 M = 1, within 1% elsewhere.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -69,25 +74,24 @@ struct Graphs {
 inline int launch_all(McLayerCall* c, cudaStream_t stream, routing::NodeUpdate* update) {
   int32_t const k = int32_t(c->top_k), E = int32_t(c->num_experts);
   int64_t const H = c->hidden_size, I = c->intermediate_size, rows = c->num_tokens * c->top_k;
+  McGemmPlan const& plan = *c->plan;
   c->failed = kExpand;
   int status = c->ids_int64
       ? routing::expand(static_cast<const int64_t*>(c->topk_ids), c->topk_weights, c->num_tokens, k, c->expert_map,
                         c->num_global_experts, E, c->hidden, H, H, c->expert_counts, c->expert_offsets,
                         c->sorted_slots, c->slot_to_row, c->gathered, H, c->row_weights, c->expand_workspace,
-                        c->expand_workspace_ints, stream, update)
+                        c->expand_workspace_ints, stream, update, plan.pdl != 0)
       : routing::expand(static_cast<const int32_t*>(c->topk_ids), c->topk_weights, c->num_tokens, k, c->expert_map,
                         c->num_global_experts, E, c->hidden, H, H, c->expert_counts, c->expert_offsets,
                         c->sorted_slots, c->slot_to_row, c->gathered, H, c->row_weights, c->expand_workspace,
-                        c->expand_workspace_ints, stream, update);
+                        c->expand_workspace_ints, stream, update, plan.pdl != 0);
   if (status) return status;
-  McGemmPlan const& plan = *c->plan;
   if (update != nullptr) {
     update->next += 2 * plan.num_parts;
   } else {
     // The parts of one GEMM write disjoint rows; a part runs one kernel after another on `stream`,
-    // so all of them share the GEMM's workspace. Each GEMM launch is dependent on the kernel before
-    // it (pdl.cuh); only the first GEMM1 after the one-kernel expand, which writes the offsets, must
-    // wait before its scheduler reads them.
+    // so all of them share the GEMM's workspace. Only the GEMM1 right after the one-kernel expand,
+    // which writes the offsets, waits before its scheduler reads them.
     bool const small = rows <= routing::kSmallSlots;
     int32_t const first = plan.pdl ? (small ? pdl::kWaitFirst : pdl::kWeightsFirst) : pdl::kOff;
     int32_t const later = plan.pdl ? pdl::kWeightsFirst : pdl::kOff;

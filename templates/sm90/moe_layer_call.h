@@ -27,8 +27,9 @@ typedef int (*McGemmFn)(const void* w_blocks, const void* w_scales, const float*
 /* The GEMM launches of a call: each GEMM as num_parts launches, part p with configs gemm1[p] / gemm2[p]
  * over the rows that the window (row_chunk, rem_lo[p], rem_hi[p]) takes of every expert (moe_rows.hpp):
  * the device decides which part, so which token tile, each expert's rows go to. Unused entries are 0.
- * pdl: 1 launches the GEMMs and finalize as programmatic dependent launches (templates/sm90/pdl.cuh),
- * 0 in plain stream order (per-kernel profiles: a dependent kernel's time would include its wait). */
+ * pdl: 1 launches every kernel of the layer after the first as a programmatic dependent launch on the one
+ * before (templates/sm90/pdl.cuh), 0 in plain stream order (per-kernel profiles: a dependent kernel's time
+ * would include its wait). */
 #define MC_MAX_GEMM_PARTS 4
 struct McGemmPlan {
   McGemmFn gemm1[MC_MAX_GEMM_PARTS];

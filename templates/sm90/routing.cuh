@@ -292,13 +292,20 @@ __device__ void gather_rows(const ExpandArgs<IdT>& a, const int* row_of_slot, in
   }
 }
 
+// Every expand kernel starts so (pdl.cuh): it waits for the kernel before it when mc_layer launched
+// it dependent (count and expand_small never are: they follow the caller's work), then lets the next
+// one start on the SMs it leaves free. The GEMM1 after expand_small waits before reading anything
+// (kWaitFirst); the one after the gather reads the offsets, which come from further back, before.
+__device__ __forceinline__ void begin_expand_kernel() {
+  pdl::wait();
+  pdl::launch_dependents();
+}
+
 // Small inputs, one launch: every block computes the whole routing in shared memory, block 0
 // publishes the counts and offsets, each block the maps of its share of the slots, and all gather.
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_small_kernel(ExpandArgs<IdT> a) {
-  // GEMM1 waits for this kernel before its scheduler reads the offsets (pdl.cuh, kWaitFirst); its
-  // CTAs start their prologue on the SMs this kernel leaves free.
-  pdl::launch_dependents();
+  begin_expand_kernel();
   __shared__ int tile_expert[kSmallSlots];
   __shared__ float tile_weight[kSmallSlots];
   __shared__ int hist[kWarps * kMaxExperts];
@@ -338,6 +345,7 @@ __device__ __forceinline__ int tile_len(const ExpandArgs<IdT>& a, int tile) {
 // Large path 1/4: tile_prefix[b][e] = slots of expert e in tile b.
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_count_kernel(ExpandArgs<IdT> a) {
+  begin_expand_kernel();
   __shared__ int tile_expert[kTileSlots];
   __shared__ int hist[kWarps * kMaxExperts];
   const int len = tile_len(a, blockIdx.x);
@@ -354,6 +362,7 @@ __global__ void __launch_bounds__(kThreads) expand_count_kernel(ExpandArgs<IdT> 
 // expert counts and offsets.
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_prefix_kernel(ExpandArgs<IdT> a, int num_tiles) {
+  begin_expand_kernel();
   __shared__ int counts[kMaxExperts];
   __shared__ int offsets[kMaxExperts + 1];
   const int E = a.num_experts;
@@ -385,6 +394,7 @@ __global__ void __launch_bounds__(kThreads) expand_prefix_kernel(ExpandArgs<IdT>
 // writes the maps and row weights of its part of them.
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_scatter_kernel(ExpandArgs<IdT> a) {
+  begin_expand_kernel();
   constexpr int kBasesPerThread = kMaxExperts / kThreads;
   __shared__ int tile_expert[kTileSlots];
   __shared__ float tile_weight[kTileSlots / kScatterSplit];
@@ -421,9 +431,7 @@ __global__ void __launch_bounds__(kThreads) expand_scatter_kernel(ExpandArgs<IdT
 // Large path 4/4: gather the rows.
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_gather_kernel(ExpandArgs<IdT> a) {
-  // GEMM1 (pdl.cuh, kWeightsFirst: the offsets come from the kernels before this one) loads its
-  // first weights on the SMs this kernel's last blocks leave free.
-  pdl::launch_dependents();
+  begin_expand_kernel();
   gather_rows(a, a.slot_to_row, a.num_slots);
 }
 
@@ -488,7 +496,7 @@ int expand(const IdT* topk_ids, const float* topk_weights, int64_t num_tokens, i
            const void* hidden, int64_t hidden_stride, int64_t hidden_size, int32_t* expert_counts,
            int32_t* expert_offsets, int32_t* sorted_slots, int32_t* slot_to_row, void* gathered,
            int64_t gathered_stride, float* row_weights, int32_t* workspace, int64_t workspace_ints,
-           cudaStream_t stream, NodeUpdate* update = nullptr) {
+           cudaStream_t stream, NodeUpdate* update = nullptr, bool dependent = false) {
   const bool bad_sizes = num_tokens < 0 || top_k < 1 || num_experts < 1 || num_experts > kMaxExperts ||
                          hidden_size <= 0 || hidden_size % kBf16PerChunk != 0 ||
                          hidden_size / kBf16PerChunk > INT_MAX || num_tokens * top_k > INT_MAX || (expert_map != nullptr && num_global_experts < 0);
@@ -518,11 +526,11 @@ int expand(const IdT* topk_ids, const float* topk_weights, int64_t num_tokens, i
   }
   cudaError_t err = launch(expand_count_kernel<IdT>, num_tiles, stream, update, false, a);
   if (err != cudaSuccess) return err;
-  err = launch(expand_prefix_kernel<IdT>, 1, stream, update, false, a, num_tiles);
+  err = launch(expand_prefix_kernel<IdT>, 1, stream, update, dependent, a, num_tiles);
   if (err != cudaSuccess) return err;
-  err = launch(expand_scatter_kernel<IdT>, num_tiles * kScatterSplit, stream, update, false, a);
+  err = launch(expand_scatter_kernel<IdT>, num_tiles * kScatterSplit, stream, update, dependent, a);
   if (err != cudaSuccess) return err;
-  return launch(expand_gather_kernel<IdT>, grid_blocks(a.num_slots, kRowsPerTrip, kMaxStreamBlocks), stream, update, false,
+  return launch(expand_gather_kernel<IdT>, grid_blocks(a.num_slots, kRowsPerTrip, kMaxStreamBlocks), stream, update, dependent,
                 a);
 }
 
