@@ -492,7 +492,7 @@ public:
     // token loads (mainloop load()), nothing is read before the kernel before this one completes,
     // the grouped scheduler's constructor below included (it reads the first problem shapes).
     bool tokens_wait = params.mainloop.pdl_mode == moe_cutlass::pdl::kWeightsFirst;
-    if (!tokens_wait) {
+    if (params.mainloop.pdl_mode == moe_cutlass::pdl::kWaitFirst) {
       moe_cutlass::pdl::wait();
       moe_cutlass::pdl::launch_dependents();
     }
