@@ -719,19 +719,27 @@ public:
             collective_mainloop.tensormaps_fence_acquire(input_tensormaps);
           }
 
-          collective_mainloop.load(
-            params.mainloop,
-            mainloop_pipeline,
-            mainloop_pipe_producer_state,
-            load_inputs,
-            input_tensormaps,
-            blk_coord,
-            k_tile_iter, work_k_tile_count,
-            lane_idx,
-            block_rank_in_cluster,
-            shared_storage.tensors.mainloop,
-            tokens_wait
-          );
+          // (not upstream, item 5) the first tile of a kWeightsFirst launch takes its tokens after the wait
+          auto load_tile = [&](auto tokens_after_wait) {
+            collective_mainloop.template load<decltype(tokens_after_wait)::value>(
+              params.mainloop,
+              mainloop_pipeline,
+              mainloop_pipe_producer_state,
+              load_inputs,
+              input_tensormaps,
+              blk_coord,
+              k_tile_iter, work_k_tile_count,
+              lane_idx,
+              block_rank_in_cluster,
+              shared_storage.tensors.mainloop
+            );
+          };
+          if (tokens_wait) {
+            load_tile(cute::true_type{});
+            tokens_wait = false;
+          } else {
+            load_tile(cute::false_type{});
+          }
           // Pipeline state is only advanced if there are K tiles to compute
           mainloop_pipe_producer_state.advance(work_k_tile_count);
 

@@ -307,12 +307,15 @@ struct Mxfp4MoeMainloop {
     return cute::make_tuple(gA, gB, mAu, mS, mAct, int32_t(0), int32_t(0), int32_t(0));
   }
 
-  template <class... Ts, class... TMs, class KTileIterator, class BlockCoord>
+  // TokensAfterWait (PDL, pdl.cuh kWeightsFirst; the kernel's first tile only): see below. A template
+  // parameter, not a runtime flag: with the flag and its branch in every tile's load, the decode
+  // GEMMs of an ordinary launch ran 3-10% slower (qwen3 / gpt-oss M = 4, benchmarks/NOTES.md
+  // 2026-12-01 (8)).
+  template <bool TokensAfterWait = false, class... Ts, class... TMs, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState smem_pipe_write,
                            cute::tuple<Ts...> const& load_inputs, cute::tuple<TMs...> const&,
                            BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
-                           int thread_idx, uint32_t block_rank_in_cluster, TensorStorage& shared_tensors,
-                           bool& tokens_wait) {
+                           int thread_idx, uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
     Tensor sB_ = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
     Tensor sB = as_position_independent_swizzle_tensor(sB_);
@@ -366,8 +369,7 @@ struct Mxfp4MoeMainloop {
     // weights and the expert offsets long before: the first tile's first stages take their weights
     // and scales now, the wait comes next, then their tokens. Each stage's barrier already expects
     // all three, so no consumer reads a stage before its tokens land.
-    if (tokens_wait) {
-      tokens_wait = false;
+    if constexpr (TokensAfterWait) {
       int const early = cute::min(k_tile_count, int(Stages));
       auto write = smem_pipe_write;
       auto kit = k_tile_iter;
