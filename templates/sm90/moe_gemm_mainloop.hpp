@@ -307,10 +307,8 @@ struct Mxfp4MoeMainloop {
     return cute::make_tuple(gA, gB, mAu, mS, mAct, int32_t(0), int32_t(0), int32_t(0));
   }
 
-  // TokensAfterWait (PDL, pdl.cuh kWeightsFirst; the kernel's first tile only): see below. A template
-  // parameter, not a runtime flag: with the flag and its branch in every tile's load, the decode
-  // GEMMs of an ordinary launch ran 3-10% slower (qwen3 / gpt-oss M = 4, benchmarks/NOTES.md
-  // 2026-12-01 (8)).
+  // TokensAfterWait (PDL, pdl.cuh kWeightsFirst): the kernel's first tile only, see below; every
+  // other tile (and every tile of an ordinary launch) takes the plain loop.
   template <bool TokensAfterWait = false, class... Ts, class... TMs, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState smem_pipe_write,
                            cute::tuple<Ts...> const& load_inputs, cute::tuple<TMs...> const&,
