@@ -20,8 +20,9 @@
 //
 // With plan.pdl every kernel after the first is a programmatic dependent launch on the one before
 // (pdl.cuh): its CTAs take the SMs the previous kernel leaves, and a GEMM loads its first weights
-// before it waits. Graph replay, one run with the same library (benchmarks/NOTES.md 2026-12-01 (8)):
-// -3% at qwen3 M = 4, gpt-oss M = 4 and qwen3 M = 1024-4096, -7% at dsv3 M = 1, within 1% elsewhere.
+// before it waits. Graph replay with and without, interleaved in one run, two runs
+// (benchmarks/NOTES.md 2026-12-01 (8)): -2..-3.4% at qwen3 / gpt-oss M = 4 and M = 1024 and qwen3
+// M = 4096, -3.8..-7.4% at dsv3 M = 1, within +-1.5% elsewhere.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -31,6 +31,13 @@
 //     tile's weights and scales before the wait, and only the token loads after it. Both trigger
 //     their dependents right after the wait: the next kernel's CTAs then take each SM as this
 //     one's CTAs leave it (one GEMM CTA fills an SM), and start their own weight loads there.
+//     An ordinary launch (kOff) runs no griddepcontrol instruction. Layer graph replay with and
+//     without PDL, interleaved in one run, two runs (benchmarks/results/bench_20261201T064957Z.json,
+//     bench_20261201T071011Z.json): -2..-3.4% at qwen3 / gpt-oss M = 4 and M = 1024, qwen3 M = 4096,
+//     -3.8..-7.4% at dsv3 M = 1 (its four-launch path), within +-1.5% elsewhere. The first build
+//     waited after the grouped scheduler's constructor, which already reads the first problem
+//     shapes: back-to-back calls then mixed one call's offsets into the next
+//     (tests/test_ops.py::test_replayed_calls_take_each_calls_arguments caught it).
 // Everything else is upstream's, line for line, minus the auxiliary-load producer warp (our mainloop
 // has no auxiliary load): kept so that a CUTLASS upgrade diffs against this file cleanly, upstream's
 // own repeated blocks (the epilogue tensormap update at the start and on a group change) included.
@@ -624,7 +631,6 @@ public:
 
     // Wait for all thread blocks in the Cluster
     cluster_wait_fn();
-
 
     auto work_tile_info = scheduler.initial_work_tile_info(ClusterShape{});
 

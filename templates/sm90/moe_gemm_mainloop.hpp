@@ -53,6 +53,10 @@
 //  8. mma() takes a hook that runs once, after the first k tile's GMMAs are issued and the next k
 //     tile converted: the kernel fork issues the epilogue's dependent loads there, in the shadow
 //     of the mainloop (moe_gemm_kernel.hpp, 4.).
+//  9. load<TokensAfterWait = true> (a programmatic dependent launch's first tile, pdl.cuh and
+//     moe_gemm_kernel.hpp, 5.) issues the weights and scales of its first min(k tiles, Stages)
+//     stages, waits for the kernel before, then their tokens: GEMM2's weights stream in while
+//     GEMM1 still runs.
 //
 // Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
 // decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
