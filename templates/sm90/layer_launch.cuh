@@ -93,7 +93,7 @@ inline int launch_all(McLayerCall* c, cudaStream_t stream, routing::NodeUpdate* 
     // The parts of one GEMM write disjoint rows; a part runs one kernel after another on `stream`,
     // so all of them share the GEMM's workspace. Only the GEMM1 right after the one-kernel expand,
     // which writes the offsets, waits before its scheduler reads them.
-    bool const small = rows <= routing::kSmallSlots;
+    bool const small = routing::one_kernel_expand(rows);
     int32_t const first = plan.pdl ? (small ? pdl::kWaitFirst : pdl::kWeightsFirst) : pdl::kOff;
     int32_t const later = plan.pdl ? pdl::kWeightsFirst : pdl::kOff;
     c->failed = kGemm1;
@@ -161,7 +161,7 @@ inline bool capture(McLayerCall* c, Variant& v) {
 inline Variant* variant(McLayerCall* c) {
   if (c->graphs == nullptr) c->graphs = new Graphs();
   Graphs& g = *static_cast<Graphs*>(c->graphs);
-  bool const small = c->num_tokens * c->top_k <= routing::kSmallSlots;
+  bool const small = routing::one_kernel_expand(c->num_tokens * c->top_k);
   for (int i = 0; i < g.used; ++i) {
     Variant& v = g.variants[i];
     if (!v.matches(c, small)) continue;

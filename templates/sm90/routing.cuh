@@ -484,9 +484,13 @@ inline int grid_blocks(int64_t items, int64_t per_block, int max_blocks) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((items + per_block - 1) / per_block, max_blocks)));
 }
 
+// Whether expand runs as the one expand_small launch for this many slots (M * top_k), or as four.
+// mc_layer's graph variants and the first GEMM1's launch mode (pdl.cuh) follow the same decision.
+inline bool one_kernel_expand(int64_t slots) { return slots <= kSmallSlots; }
+
 inline int64_t expand_workspace_ints(int64_t num_tokens, int top_k, int num_experts) {
   const int64_t slots = num_tokens * top_k;
-  if (slots <= kSmallSlots) return 0;
+  if (one_kernel_expand(slots)) return 0;
   return ((slots + kTileSlots - 1) / kTileSlots) * num_experts;
 }
 
@@ -516,7 +520,7 @@ int expand(const IdT* topk_ids, const float* topk_weights, int64_t num_tokens, i
                     hidden_size / kBf16PerChunk, expert_counts, expert_offsets, sorted_slots,
                     slot_to_row, static_cast<__nv_bfloat16*>(gathered), gathered_stride,
                     row_weights, workspace};
-  if (a.num_slots <= kSmallSlots) {
+  if (one_kernel_expand(a.num_slots)) {
     return launch(expand_small_kernel<IdT>, grid_blocks(a.num_slots, kRowsPerTrip, kMaxSmallBlocks), stream, update, false,
                   a);
   }
