@@ -56,7 +56,11 @@
 //  9. load<TokensAfterWait = true> (a programmatic dependent launch's first tile, pdl.cuh and
 //     moe_gemm_kernel.hpp, 5.) issues the weights and scales of its first min(k tiles, Stages)
 //     stages, waits for the kernel before, then their tokens: GEMM2's weights stream in while
-//     GEMM1 still runs.
+//     GEMM1 still runs. A version that waits at the first tile with no early loads measured, in
+//     graph replay, 3.1% slower at gpt-oss M = 4, 0.4-2.2% at dsv4-flash and 0.8-3.5% at dsv3,
+//     but 1.3-5.6% faster at qwen3 M = 4-1024; an L2 prefetch of the same weights in their place
+//     did no better. Either early path costs the decode GEMMs ~1 us in plain stream order, through
+//     ptxas's schedule of the consumer (benchmarks/NOTES.md 2026-12-01 (9)).
 //
 // Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
 // decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
