@@ -128,8 +128,7 @@ def run_gemm1(blocks, scales, bias, x, counts, gate_up="concat", activation="sil
 def test_converter_exact_all_codes_and_scales(config, K):
     """One-hot activations through GEMM2 (row weight 1, no bias): out[r, m] = W[m, r] exactly, for
     all 16 codes times scales 2^-20..2^20, a distinct scale in every 32-block. K = 5, 6, 7 units of
-    64: a last k tile of 1, 2, 3 units with TileK 256 (1 with 128), which the mainloop converts and
-    multiplies on its own path."""
+    64: a last k tile of 1, 2, 3 real units with TileK 256 (1 with 128), the rest zero-filled by TMA."""
     E, N = 1, 128
     codes = (torch.arange(N).view(N, 1) * 7 + torch.arange(K).view(1, K)) % 16
     blocks = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(E, N, K // 2)
