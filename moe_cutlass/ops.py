@@ -222,8 +222,7 @@ def fused_max_slots() -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _gemms(slots: int, E: int, batch_invariant: bool, fused: bool, ids_int64: bool, tuned=None,
-           pdl: bool = True) -> _Gemms:
+def _gemms(slots: int, E: int, batch_invariant: bool, fused: bool, ids_int64: bool, tuned, pdl: bool) -> _Gemms:
     # The GEMM tiles follow the rows per expert, which the host knows only on average (slots / E):
     # _gemm.plan's parts let the device place each expert's rows. A shape that moe_cutlass.tuning
     # measured (tuned: the two config names, or _gemm.PLAN for the rule) runs them as one launch each.

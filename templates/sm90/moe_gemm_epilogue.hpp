@@ -120,7 +120,7 @@ class MoeEpilogue {
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
     int const n0 = int(n_coord) * TileN;
     int64_t const row_base = t.first;
-    Tensor tCcD = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(make_shape(Int<TileM>{}, Int<TileN>{})));
+    Tensor tCcD = thread_coords(tiled_mma, thread_idx);
     static_assert(decltype(size(tCcD))::value == decltype(size(acc))::value);
     // accumulator value mode = (2 cols, 2 row halves (+8), TileN/8 col blocks); MMA_M = MMA_N = 1:
     // value c + 2h + 4j is this thread's (row m_h, column 8j + c'), m_h the same for every j and c.
@@ -203,7 +203,7 @@ class MoeEpilogue {
     params.window.rows(t.lo, t.hi, t.first, t.n_rows);
     if constexpr (Kind == 2) {
       int const n0 = int(get<1>(blk_coord_mnkl)) * TileN;
-      Tensor tCcD = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(make_shape(Int<TileM>{}, Int<TileN>{})));
+      Tensor tCcD = thread_coords(tiled_mma, thread_idx);
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < TileN / 8; ++j) {
         CUTLASS_PRAGMA_UNROLL
@@ -215,10 +215,16 @@ class MoeEpilogue {
     }
   }
 
+  // The (m, n) in the tile of each of this thread's accumulator values.
+  template <class TiledMma>
+  CUTLASS_DEVICE static auto thread_coords(TiledMma tiled_mma, int thread_idx) {
+    return tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(make_shape(Int<TileM>{}, Int<TileN>{})));
+  }
+
   // This thread's two accumulator rows in the tile (m, m + 8).
   template <class TiledMma>
   CUTLASS_DEVICE static cute::tuple<int, int> thread_rows(int m_coord, TiledMma tiled_mma, int thread_idx) {
-    Tensor tCcD = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(make_shape(Int<TileM>{}, Int<TileN>{})));
+    Tensor tCcD = thread_coords(tiled_mma, thread_idx);
     int const m0 = m_coord * TileM;
     return {m0 + get<0>(tCcD(0)), m0 + get<0>(tCcD(2))};
   }
