@@ -131,13 +131,13 @@ def graph_of(fn):
 
 
 def paths_of(M, k, H, I, compare_paths):
-    """(path name, (ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_EXPERT_WEIGHTS) for it): the library's
+    """(path name, (ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS) for it): the library's
     choice, or with compare_paths both the one-launch layer and the four launches wherever the
     former can take M."""
     if compare_paths and M * k <= ops.fused_max_slots():
         return (("fused", (1 << 30, 1 << 62)), ("launches", (0, 0)))
     path = "fused" if ops.uses_fused(M, k, H, I) else "launches"
-    return ((path, (ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_EXPERT_WEIGHTS)),)
+    return ((path, (ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS)),)
 
 
 def compare_pdl(name, M, run, timer, floor, rounds=3):
@@ -167,9 +167,9 @@ def bench_config(name, tokens, timer, floors, gen, batch_invariant=False, compar
     E, H, I, k = CONFIGS[name]
     experts = random_experts(E, H, I, gen)
     rows = []
-    defaults = ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_EXPERT_WEIGHTS
+    defaults = ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS
     for M, (path, limits) in ((M, p) for M in tokens for p in paths_of(M, k, H, I, compare_paths)):
-        ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_EXPERT_WEIGHTS = limits
+        ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS = limits
         x, weights, ids = random_batch(M, E, H, k, gen)
         out = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
 
@@ -197,7 +197,7 @@ def bench_config(name, tokens, timer, floors, gen, batch_invariant=False, compar
             print(f"{name:14s} M={M:6d} {row['path']:8s} {mode:5s} {us:9.1f} us  floor {floor:8.1f} us  "
                   f"x{us / floor:5.2f}  relerr {relerr if relerr is None else f'{relerr:.1e}'}{host}", flush=True)
         del graph
-    ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_EXPERT_WEIGHTS = defaults
+    ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS = defaults
     return rows
 
 

@@ -67,16 +67,16 @@ def workload():
     mc.fused_moe(random_hidden(M, H, gen), experts, weights, ids.long(), expert_map=expert_map)
 
     # The one-launch layer (templates/sm90/moe_decode.cuh): one token (the default path), then 20
-    # rows on one expert (two token groups, two n8 blocks) with the threshold lifted.
+    # rows on one expert (three token groups of up to 8 rows) with the thresholds lifted.
     weights, ids = random_routing(1, E, k, gen)
     mc.fused_moe(random_hidden(1, H, gen), experts, weights, ids)
-    fused_max = ops.FUSED_MAX_TOKENS
-    ops.FUSED_MAX_TOKENS = 64
+    fused_max = ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS
+    ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS = 64, 1 << 62
     try:
         weights, ids = random_routing(20, E, 1, gen)
         mc.fused_moe(random_hidden(20, H, gen), experts, weights, torch.full_like(ids, 2))
     finally:
-        ops.FUSED_MAX_TOKENS = fused_max
+        ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS = fused_max
 
     # One launch of each GEMM config; experts of 5, 0 and 11 rows, GEMM1's rows feed GEMM2.
     experts = random_experts(3, H, I, gen, bias=True)

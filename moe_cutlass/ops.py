@@ -184,14 +184,16 @@ _PER_CALL = struct.Struct("=QQQQqQQQ")
 assert [getattr(LayerCall, f).offset for f, _ in LayerCall._fields_[:8]] == list(range(0, _PER_CALL.size, 8))
 
 # Which calls run as ONE launch (templates/sm90/moe_decode.cuh) instead of expand -> GEMM1 ->
-# GEMM2 -> finalize: at most FUSED_MAX_TOKENS tokens, at most the kernel's slot limit, experts of
-# at most FUSED_MAX_EXPERT_WEIGHTS weights per matrix (H * I), never batch_invariant (whose bits
-# must not depend on the batch). Measured on an H200 (benchmarks/NOTES.md, one-launch decode
-# layer): the one launch saves fixed costs (launches, expand, finalize, graph gaps) but streams
-# weights slower than the CUTLASS GEMMs, so it wins at one token on experts up to dsv4-flash's
-# size and loses beyond.
-FUSED_MAX_TOKENS = 1
-FUSED_MAX_EXPERT_WEIGHTS = 4096 * 2048
+# GEMM2 -> finalize: at most FUSED_MAX_TOKENS tokens, at most the kernel's slot limit, at most
+# FUSED_MAX_WEIGHTS expert weights per matrix kind summed over the slots (M * top_k * H * I), never
+# batch_invariant (whose bits must not depend on the batch). The one launch saves fixed costs
+# (launches, expand, finalize, graph gaps) but streams weights slower than the CUTLASS GEMMs.
+# Measured on an H200, both paths in one process (benchmarks/NOTES.md 2026-12-01 (10)): it wins at
+# one token on qwen3 (12.6M weights), gpt-oss (33M) and dsv4-flash (50M) and at two on qwen3 (25M)
+# and gpt-oss (66M), by 4.5-25%; it loses at two tokens on dsv4-flash (101M, +4%), at one on dsv3
+# (117M, +5%) and from four tokens on (qwen3 +10%).
+FUSED_MAX_TOKENS = 2
+FUSED_MAX_WEIGHTS = 80 << 20
 FUSED_KERNEL = "moe_decode"
 
 # GEMM1, GEMM2 and finalize as programmatic dependent launches (templates/sm90/pdl.cuh): each
@@ -248,7 +250,7 @@ def uses_fused(num_tokens: int, top_k: int, hidden_size: int, intermediate_size:
                batch_invariant: bool = False) -> bool:
     """Whether fused_moe runs a call of this size as the one-launch layer."""
     return (not batch_invariant and num_tokens <= FUSED_MAX_TOKENS
-            and hidden_size * intermediate_size <= FUSED_MAX_EXPERT_WEIGHTS
+            and num_tokens * top_k * hidden_size * intermediate_size <= FUSED_MAX_WEIGHTS
             and num_tokens * top_k <= fused_max_slots())
 
 

@@ -18,18 +18,23 @@ def _library_or_skip():
 
 
 def test_which_calls_take_one_launch(monkeypatch):
-    """Small batches within the kernel's slot limit on small enough experts, never batch_invariant ones."""
+    """Small batches within the kernel's slot limit and the weight limit, never batch_invariant ones."""
     _library_or_skip()
     limit = ops.fused_max_slots()
     assert limit >= 128
     H, I = 2880, 2880
+    # the built-in rule: one and two tokens of qwen3 and gpt-oss, one of dsv4-flash, not dsv3
+    assert ops.uses_fused(2, 8, 2048, 768) and ops.uses_fused(2, 4, H, I) and ops.uses_fused(1, 6, 4096, 2048)
+    assert not ops.uses_fused(4, 8, 2048, 768) and not ops.uses_fused(2, 6, 4096, 2048)
+    assert not ops.uses_fused(1, 8, 7168, 2048)
     monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 16)
-    monkeypatch.setattr(ops, "FUSED_MAX_EXPERT_WEIGHTS", H * I)
+    monkeypatch.setattr(ops, "FUSED_MAX_WEIGHTS", 16 * 8 * H * I)
     assert ops.uses_fused(1, 8, H, I) and ops.uses_fused(16, 8, H, I)
     assert not ops.uses_fused(17, 1, H, I)
-    assert not ops.uses_fused(1, 8, H, I + 32)
+    assert not ops.uses_fused(16, 8, H, I + 32)
     assert not ops.uses_fused(1, 8, H, I, batch_invariant=True)
     monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 1 << 20)
+    monkeypatch.setattr(ops, "FUSED_MAX_WEIGHTS", 1 << 62)
     assert ops.uses_fused(limit, 1, H, I) and not ops.uses_fused(limit + 1, 1, H, I)
     assert ops.uses_fused(limit // 8, 8, H, I) and not ops.uses_fused(limit // 8 + 1, 8, H, I)
 
@@ -40,7 +45,7 @@ def test_which_calls_take_one_launch(monkeypatch):
 def fused(monkeypatch):
     """Every call within the slot limit takes the one-launch layer."""
     monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 1 << 20)
-    monkeypatch.setattr(ops, "FUSED_MAX_EXPERT_WEIGHTS", 1 << 62)
+    monkeypatch.setattr(ops, "FUSED_MAX_WEIGHTS", 1 << 62)
 
 
 @pytest.fixture
@@ -149,6 +154,7 @@ def test_close_to_the_four_launch_path(monkeypatch, M):
     monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 0)
     four = mc.fused_moe(x, experts, weights, ids)
     monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 16)
+    monkeypatch.setattr(ops, "FUSED_MAX_WEIGHTS", 1 << 62)
     assert ops.uses_fused(M, k, H, I)
     one = mc.fused_moe(x, experts, weights, ids)
     assert relerr(one, four) < 2e-3

@@ -17,15 +17,18 @@
 //     slice per warp and 64-K unit is exactly a warp's mma.m16n8k16 A fragments for 16 rows and 4
 //     k-blocks (the RS-WGMMA A fragment of a warp is the m16n8k16 one), the bit-placement converter
 //     and the folded scale multiply (mxfp4_math.cuh), and the epilogue arithmetic. Tokens are the
-//     n = 8 side of mma.sync (at <= 16 rows per expert tensor-core rate is not the limit; the
-//     weight stream is).
-//  4. A producer warp streams each work item's weights, scales and token rows into a 5-stage
+//     n = 8 side of mma.sync (at these few rows per expert tensor-core rate is not the limit;
+//     the weight stream is).
+//  4. A producer warp streams each work item's weights, scales and token rows into a 7-stage
 //     shared-memory ring: weights with ONE 1-D bulk copy per stage (a 64-row slab is contiguous
 //     over K in the prepared layout; no TMA descriptors, nothing encoded on the host), token rows
 //     with one bulk copy each, scales with 16-byte cp.async spread over the producer's lanes;
-//     sixteen consumer warps convert and multiply. Work items are (expert, 64 weight rows, <= 16
+//     sixteen consumer warps convert and multiply. Work items are (expert, 64 weight rows, <= 8
 //     tokens), handed to CTAs as contiguous ranges so a CTA's items share experts; each item's K
 //     is split over four consumer warps and summed through shared memory in a fixed order.
+//     8 tokens (one n8 block) rather than 16: the stage's token rows take half the space, so the
+//     ring holds 7 stages instead of 5, and the one launch got 2-5% faster at M = 1-4 and won at
+//     M = 2 too (benchmarks/NOTES.md 2026-12-01 (10)); more tokens than that go to the four launches.
 //  5. While GEMM1 runs, the producer prefetches its GEMM2 weight slabs into L2
 //     (cp.async.bulk.prefetch.L2), so GEMM2 starts from L2 after the barrier.
 //  6. Measured on an H200 (benchmarks/NOTES.md, 2026-12-01 one-launch section; A/B in one run,
@@ -63,9 +66,9 @@ constexpr int kConsumerWarps = 16;
 constexpr int kThreads = (kConsumerWarps + 1) * 32;   // + the producer warp
 constexpr int kSlices = 4;            // K split of one item over consumer warps (x 4 row blocks)
 constexpr int kItemRows = 64;         // weight rows per item (4 x m16): one slab, contiguous over K
-constexpr int kItemTokens = 16;       // token rows per item (2 x n8)
+constexpr int kItemTokens = 8;        // token rows per item: one n8 block of mma.sync
 constexpr int kChunkUnits = 8;        // 64-K units per stage (K 512)
-constexpr int kStages = 5;
+constexpr int kStages = 7;
 constexpr int kRowPad = 128;          // layout.py: weight rows padded to 128, K to 64
 constexpr int kKPad = 64;
 // Stage: A [unit][2 KB], scales [group][64 B], B [token][K 512 bf16 + 16 B pad]. The pad makes
@@ -117,13 +120,13 @@ struct Routing {
   int count[kMaxExperts];
   int offset[kMaxExperts];
   int active[kMaxSlots];        // experts with rows, ascending
-  int item_base[kMaxSlots + 1]; // first token group of active expert a (groups of <= 16 rows)
+  int item_base[kMaxSlots + 1]; // first token group of active expert a (groups of <= kItemTokens rows)
   int num_active;
 };
 
 struct Smem {
   alignas(128) uint8_t stages[kStages][kStageBytes];
-  float red[2][kSlices - 1][4][32][8];   // K-slice partial sums, double buffered by item parity
+  float red[2][kSlices - 1][4][32][4];   // K-slice partial sums, double buffered by item parity
   alignas(8) uint64_t full[kStages];
   alignas(8) uint64_t empty[kStages];
   Routing r;
@@ -267,8 +270,8 @@ __device__ void route(const Args& a, Routing& r) {
 }
 
 // ---- work items ------------------------------------------------------------------------------
-// Item i of a GEMM = (token group g, 32-row block q), g-major: a CTA's consecutive items share
-// token rows. Token group g = (active expert a, rows [16 j, 16 j + 16) of it).
+// Item i of a GEMM = (token group g, 64-row slab q), g-major: a CTA's consecutive items share
+// token rows. Token group g = (active expert a, its rows [kItemTokens j, kItemTokens (j + 1))).
 struct Item {
   int e, q, row0, rows;
 };
@@ -368,12 +371,12 @@ __device__ void prefetch_gemm2(const Gemm& G, const Routing& r) {
 
 // ---- consumers -------------------------------------------------------------------------------
 // One 64-K unit of this warp's 16 weight rows: KB k-blocks (4, or 2 for a unit half in the K
-// padding: K % 64 == 32, whose token bytes are stale), NB n8 token blocks. The scale path, NB
+// padding: K % 64 == 32, whose token bytes are stale), the item's n8 token block. The scale path
 // and KB are compile-time: per-k-block tests and selects cost more ALU issue slots than the
 // converter itself (ncu, gpt-oss M=4: 0.62 warp instructions/cycle/scheduler, ~190 per 1024
 // weights against ~110 counted in the loop).
-template <bool Slow, int NB, int KB>
-__device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int lane, float (&acc)[4][2][4]) {
+template <bool Slow, int KB>
+__device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int lane, float (&acc)[4][4]) {
   int const gq = lane / 4;
   uint4 const w = *reinterpret_cast<uint4 const*>(st + u * 2048 + rb * 512 + lane * 16);
   uint32_t const words[4] = {w.x, w.y, w.z, w.w};
@@ -387,19 +390,15 @@ __device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int l
     }
   }
   // B fragments, two k-blocks per ldmatrix.x4 (lane i addresses row i % 8 of matrix i / 8 =
-  // 8 k-values at k = 8 (i / 8)): token n = lane / 4 of each n8 block. Unmasked: a token row past
-  // the item holds stale bytes, which reach only its own output column, never stored.
-  uint32_t bf[NB][KB][2];
+  // 8 k-values at k = 8 (i / 8)): token n = lane / 4. Unmasked: a token row past the item holds
+  // stale bytes, which reach only its own output column, never stored.
+  uint32_t bf[KB][2];
   uint8_t const* brow = st + kStageA + kStageS + (lane % 8) * kBRowBytes + (u * 64 + (lane / 8) * 8) * 2;
 #pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-    for (int kp = 0; kp < KB / 2; ++kp) {
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                   : "=r"(bf[nb][2 * kp][0]), "=r"(bf[nb][2 * kp][1]), "=r"(bf[nb][2 * kp + 1][0]),
-                     "=r"(bf[nb][2 * kp + 1][1])
-                   : "r"(smem_addr(brow + nb * 8 * kBRowBytes + kp * 64)));
-    }
+  for (int kp = 0; kp < KB / 2; ++kp) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(bf[2 * kp][0]), "=r"(bf[2 * kp][1]), "=r"(bf[2 * kp + 1][0]), "=r"(bf[2 * kp + 1][1])
+                 : "r"(smem_addr(brow + kp * 64)));
   }
 #pragma unroll
   for (int kb = 0; kb < KB; ++kb) {
@@ -412,8 +411,7 @@ __device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int l
     uint32_t const s0 = sc[kb / 2][0], s1 = sc[kb / 2][1];
     uint32_t const frag[4] = {mc_mul_bf16x2(f[0], s0), mc_mul_bf16x2(f[1], s1), mc_mul_bf16x2(f[2], s0),
                               mc_mul_bf16x2(f[3], s1)};
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) mma_bf16(acc[kb][nb], frag, bf[nb][kb][0], bf[nb][kb][1]);
+    mma_bf16(acc[kb], frag, bf[kb][0], bf[kb][1]);
   }
 }
 
@@ -421,8 +419,8 @@ __device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int l
 // Tail: K % 64 == 32, so the last unit is half padding. A compile-time flag, not a per-unit test:
 // ptxas if-converted the two unit bodies into one predicated stream that issued both (141 warp
 // instructions per 1024 weights where the flag leaves 89; one launch 2-13% faster, NOTES (10)).
-template <bool Slow, int NB, bool Tail>
-__device__ void item_mma(const Gemm& G, Smem& sm, Ring& ring, int rb, int slice, float (&acc)[4][2][4]) {
+template <bool Slow, bool Tail>
+__device__ void item_mma(const Gemm& G, Smem& sm, Ring& ring, int rb, int slice, float (&acc)[4][4]) {
   int const lane = threadIdx.x % 32;
   int const units = G.k_pad / 64;
   for (int c = 0; c < G.chunks(); ++c) {
@@ -435,9 +433,9 @@ __device__ void item_mma(const Gemm& G, Smem& sm, Ring& ring, int rb, int slice,
       int const u = slice + uu * kSlices;
       if (u >= cu) break;
       if (!Tail || (u0 + u) * 64 + 64 <= G.k_real) {
-        unit_mma<Slow, NB, 4>(st, u, rb, lane, acc);
+        unit_mma<Slow, 4>(st, u, rb, lane, acc);
       } else {
-        unit_mma<Slow, NB, 2>(st, u, rb, lane, acc);
+        unit_mma<Slow, 2>(st, u, rb, lane, acc);
       }
     }
     __syncwarp();
@@ -446,14 +444,13 @@ __device__ void item_mma(const Gemm& G, Smem& sm, Ring& ring, int rb, int slice,
   }
 }
 
-template <int NB>
 __device__ __forceinline__ void item_mma_dispatch(const Gemm& G, Smem& sm, Ring& ring, int rb, int slice,
-                                                  float (&acc)[4][2][4]) {
+                                                  float (&acc)[4][4]) {
   bool const tail = G.k_real % 64 != 0;
   if (G.slow) {
-    tail ? item_mma<true, NB, true>(G, sm, ring, rb, slice, acc) : item_mma<true, NB, false>(G, sm, ring, rb, slice, acc);
+    tail ? item_mma<true, true>(G, sm, ring, rb, slice, acc) : item_mma<true, false>(G, sm, ring, rb, slice, acc);
   } else {
-    tail ? item_mma<false, NB, true>(G, sm, ring, rb, slice, acc) : item_mma<false, NB, false>(G, sm, ring, rb, slice, acc);
+    tail ? item_mma<false, true>(G, sm, ring, rb, slice, acc) : item_mma<false, false>(G, sm, ring, rb, slice, acc);
   }
 }
 
@@ -468,22 +465,16 @@ __device__ void consume(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int&
   for (int i = begin; i < end; ++i) {
     Item const it = item_at(sm.r, G.items_per_group(), i);
     // one accumulator chain per k-block of a unit: mma.sync's latency is not serialised
-    float acc4[4][2][4] = {};
-    if (it.rows > 8) {   // warp-uniform: the second n8 block has tokens
-      item_mma_dispatch<2>(G, sm, ring, rb, slice, acc4);
-    } else {
-      item_mma_dispatch<1>(G, sm, ring, rb, slice, acc4);
-    }
-    float acc[2][4];
+    float acc4[4][4] = {};
+    item_mma_dispatch(G, sm, ring, rb, slice, acc4);
+    float acc[4];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      acc[j / 4][j % 4] = (acc4[0][j / 4][j % 4] + acc4[1][j / 4][j % 4]) + (acc4[2][j / 4][j % 4] + acc4[3][j / 4][j % 4]);
-    }
+    for (int j = 0; j < 4; ++j) acc[j] = (acc4[0][j] + acc4[1][j]) + (acc4[2][j] + acc4[3][j]);
     // K slices 1.. hand their sums to slice 0, which adds them in slice order.
     if (slice > 0) {
       float* dst = sm.red[parity][slice - 1][rb][lane];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) dst[j] = acc[j / 4][j % 4];
+      for (int j = 0; j < 4; ++j) dst[j] = acc[j];
     }
     consumers_sync();
     parity ^= 1;
@@ -492,34 +483,31 @@ __device__ void consume(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int&
     for (int s = 0; s < kSlices - 1; ++s) {
       float const* src = sm.red[parity ^ 1][s][rb][lane];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j / 4][j % 4] += src[j];
+      for (int j = 0; j < 4; ++j) acc[j] += src[j];
     }
     // accumulator (m16n8): c0,c1 row gq, tokens 2cq, 2cq+1; c2,c3 row gq + 8
     int const m = it.q * kItemRows + rb * 16 + gq;   // weight row (prepared order)
     const float* bias = G.bias ? G.bias + int64_t(it.e) * G.n_pad : nullptr;
 #pragma unroll
-    for (int nb = 0; nb < 2; ++nb) {
+    for (int t = 0; t < 2; ++t) {
+      int const n = 2 * cq + t;
+      if (n >= it.rows) continue;
+      int64_t const row = it.row0 + n;
+      if constexpr (Kind == 1) {
+        // paired rows (layout.py): 16-row block b = gate[8b..8b+7], then up[8b..8b+7]
+        int const col = (m >> 4) * 8 + (m & 7);
+        float g = acc[t], u = acc[2 + t];
+        if (bias) { g += bias[m]; u += bias[m + 8]; }
+        if (col < a.I) a.inter[row * a.I + col] = __float2bfloat16_rn(mc_activation(g, u, a.activation, a.alpha, a.limit));
+      } else {
+        float const w = a.topk_weights[sm.r.row_slot[row]];
 #pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        int const n = nb * 8 + 2 * cq + t;
-        if (n >= it.rows) continue;
-        int64_t const row = it.row0 + n;
-        if constexpr (Kind == 1) {
-          // paired rows (layout.py): 16-row block b = gate[8b..8b+7], then up[8b..8b+7]
-          int const col = (m >> 4) * 8 + (m & 7);
-          float g = acc[nb][t], u = acc[nb][2 + t];
-          if (bias) { g += bias[m]; u += bias[m + 8]; }
-          if (col < a.I) a.inter[row * a.I + col] = __float2bfloat16_rn(mc_activation(g, u, a.activation, a.alpha, a.limit));
-        } else {
-          float const w = a.topk_weights[sm.r.row_slot[row]];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            int const mm = m + 8 * h;
-            float v = acc[nb][2 * h + t];
-            if (bias) v += bias[mm];
-            v *= w;
-            if (mm < a.H) a.rows[row * a.H + mm] = __float2bfloat16_rn(v);
-          }
+        for (int h = 0; h < 2; ++h) {
+          int const mm = m + 8 * h;
+          float v = acc[2 * h + t];
+          if (bias) v += bias[mm];
+          v *= w;
+          if (mm < a.H) a.rows[row * a.H + mm] = __float2bfloat16_rn(v);
         }
       }
     }
