@@ -98,7 +98,6 @@ struct Args {
   bool w13_slow, w2_slow;
   __nv_bfloat16* inter;     // [slots][I]: GEMM1's output in expert order
   __nv_bfloat16* rows;      // [slots][H]: GEMM2's output in expert order
-  int32_t* sync;            // [1 + active experts]: claimed items, then GEMM1 row blocks done per active expert
   int activation;
   float alpha, limit, routed_scaling_factor;
 };
@@ -130,7 +129,6 @@ struct Smem {
   float red[2][kSlices - 1][4][32][4];   // K-slice partial sums, double buffered by item parity
   alignas(8) uint64_t full[kStages];
   alignas(8) uint64_t empty[kStages];
-  int item_of[kStages];   // the work index whose first chunk the stage holds; -1: no more work
   Routing r;
 };
 static_assert(sizeof(Smem) <= 227 * 1024, "one CTA per SM: the ring must fit the SM's 227 KB of shared memory");
@@ -275,7 +273,7 @@ __device__ void route(const Args& a, Routing& r) {
 // Item i of a GEMM = (token group g, 64-row slab q), g-major: a CTA's consecutive items share
 // token rows. Token group g = (active expert a, its rows [kItemTokens j, kItemTokens (j + 1))).
 struct Item {
-  int a, e, q, row0, rows;   // active index, expert, slab, first row, rows
+  int e, q, row0, rows;
 };
 
 __device__ __forceinline__ Item item_at(const Routing& r, int per_group, int i) {
@@ -287,7 +285,7 @@ __device__ __forceinline__ Item item_at(const Routing& r, int per_group, int i) 
   }
   int const e = r.active[lo];
   int const first = (g - r.item_base[lo]) * kItemTokens;
-  return {lo, e, i - g * per_group, r.offset[e] + first, min(kItemTokens, r.count[e] - first)};
+  return {e, i - g * per_group, r.offset[e] + first, min(kItemTokens, r.count[e] - first)};
 }
 
 __device__ __forceinline__ void cta_range(int total, int* begin, int* end) {
@@ -304,124 +302,71 @@ struct Ring {
   }
 };
 
-// ---- work order ------------------------------------------------------------------------------
-// One index space for the whole call: GEMM1's items [0, n1), then GEMM2's. CTA c starts with item c
-// and then claims the next unclaimed index (sync[0]), so CTAs that finish early take more, and the
-// GEMM2 items of an expert can start as soon as that expert's GEMM1 items are done: a GEMM2 item's
-// token rows wait on sync[1 + a] (GEMM1 row blocks done for active expert a), not on a grid barrier.
-// It cannot deadlock: all CTAs are resident (cooperative launch), GEMM1 items wait on nothing, and a
-// CTA issues its items in index order, so every GEMM1 item it holds is issued before it waits.
-struct Work {
-  int n1, n2;
-  __device__ int total() const { return n1 + n2; }
-};
-
-__device__ __forceinline__ int load_acquire(const int32_t* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// GEMM1 row blocks (kRowBlocks per item) that active expert a's GEMM2 items wait for.
-constexpr int kRowBlocks = kItemRows / 16;
-__device__ __forceinline__ int gemm1_row_blocks(const Routing& r, const Gemm& g1, int active) {
-  return (r.item_base[active + 1] - r.item_base[active]) * g1.items_per_group() * kRowBlocks;
-}
-
-// The weight slab (64 rows x K) of expert e, slab q into L2, split over the warp's lanes.
-__device__ __forceinline__ int64_t prefetch_slab(const Gemm& G, int e, int q) {
-  int const lane = threadIdx.x % 32;
-  int64_t const slab_bytes = int64_t(G.k_pad / 64) * 2048;
-  int64_t const piece = (slab_bytes / 32 + 15) / 16 * 16;   // 16-byte multiples
-  int64_t const lo = lane * piece, hi = min(slab_bytes, lo + piece);
-  if (hi > lo) prefetch_l2(G.blocks + (int64_t(e) * (G.n_pad / 64) + q) * slab_bytes + lo, uint32_t(hi - lo));
-  return slab_bytes;
-}
-
 // ---- producer --------------------------------------------------------------------------------
-// Kind 1: token rows from hidden (row -> slot -> token); kind 2: GEMM1's rows of inter, once the
-// expert's GEMM1 items are done (the stage's weights and scales go out before that wait).
+// Kind 1: token rows from hidden (row -> slot -> token); kind 2: GEMM1's rows of inter.
 template <int Kind>
-__device__ void produce_item(const Args& a, const Gemm& G, const Gemm& g1, Smem& sm, Ring& ring, int i, int index) {
+__device__ void produce(const Args& a, const Gemm& G, Smem& sm, Ring& ring) {
   int const lane = threadIdx.x % 32;
-  int const units = G.k_pad / 64;
-  Item const it = item_at(sm.r, G.items_per_group(), i);
-  // this lane's token row (lanes < it.rows)
-  const __nv_bfloat16* src_row = nullptr;
-  if (lane < it.rows) {
-    int const row = it.row0 + lane;
-    src_row = Kind == 1 ? a.hidden + int64_t(sm.r.row_slot[row] / a.top_k) * a.H : a.inter + int64_t(row) * a.I;
-  }
-  const uint8_t* wa = G.blocks + (int64_t(it.e) * (G.n_pad / 64) + it.q) * units * 2048;
-  const uint8_t* ws = G.scales + int64_t(it.e) * (G.k_pad / 32) * G.n_pad + it.q * kItemRows;
-  for (int c = 0; c < G.chunks(); ++c) {
-    int const u0 = c * kChunkUnits;
-    int const cu = min(kChunkUnits, units - u0);
-    int const k0 = u0 * 64;
-    uint32_t const b_bytes = uint32_t(min(kChunkUnits * 64, G.k_real - k0)) * 2;
-    if (ring.round > 0) mbar_wait(&sm.empty[ring.stage], (ring.round - 1) & 1);
-    uint8_t* st = sm.stages[ring.stage];
-    uint64_t* full = &sm.full[ring.stage];
-    // Scales: 2 cu groups x 64 rows, 16 bytes per copy spread over the lanes (as bulk copies, 16
-    // tiny requests per stage throttled the copy engine: measured 0.5-0.85 TB/s).
-    for (int p = lane; p < 2 * cu * (kItemRows / 16); p += 32) {
-      int const g = p / (kItemRows / 16), o = (p % (kItemRows / 16)) * 16;
-      async_copy16(st + kStageA + g * kItemRows + o, ws + int64_t(u0 * 2 + g) * G.n_pad + o);
-    }
-    async_copies_arrive(full);
-    __syncwarp();
-    if (lane == 0) {
-      if (c == 0) sm.item_of[ring.stage] = index;   // published by this arrival (release)
-      mbar_expect_tx(full, cu * 2048 + it.rows * b_bytes);
-      bulk_copy(st, wa + int64_t(u0) * 2048, cu * 2048, full);
-    }
-    if (Kind == 2 && c == 0) {
-      int32_t const* done = a.sync + 1 + it.a;
-      int const need = gemm1_row_blocks(sm.r, g1, it.a);
-      if (lane == 0) {
-        while (load_acquire(done) < need) __nanosleep(100);
-      }
-      __syncwarp();
-      load_acquire(done);   // each lane's own acquire before its copy
-      // the rows were written through the generic proxy; the bulk copies read through the async one
-      asm volatile("fence.proxy.async.global;" ::: "memory");
-    }
-    if (lane < it.rows) bulk_copy(st + kStageA + kStageS + lane * kBRowBytes, src_row + k0, b_bytes, full);
-    ring.next();
-  }
-}
-
-// A share of GEMM2's weight slabs (active experts x slabs, split evenly over the CTAs) into L2, up
-// to kPrefetchBytesPerCta: GEMM2's items then stream from L2 whichever CTA claims them.
-__device__ void prefetch_gemm2(const Gemm& G, const Routing& r) {
-  int const per = G.items_per_group();
+  int const total = sm.r.item_base[sm.r.num_active] * G.items_per_group();
   int begin, end;
-  cta_range(r.num_active * per, &begin, &end);
-  int64_t budget = kPrefetchBytesPerCta;
-  for (int s = begin; s < end && budget > 0; ++s) budget -= prefetch_slab(G, r.active[s / per], s % per);
-}
-
-// The producer warp: item blockIdx.x, then claimed ones, then the end marker for the consumers.
-__device__ void produce_all(const Args& a, const Gemm& g1, const Gemm& g2, const Work& w, Smem& sm, Ring& ring) {
-  int const lane = threadIdx.x % 32;
-  int claimed = 0;
-  bool prefetched = false;
-  for (int index = blockIdx.x; index < w.total(); index = int(gridDim.x) + __shfl_sync(0xffffffffu, claimed, 0)) {
-    if (lane == 0) claimed = atomicAdd(a.sync, 1);   // the next index, in flight while this item streams
-    if (index < w.n1) {
-      produce_item<1>(a, g1, g1, sm, ring, index, index);
-      if (!prefetched) prefetch_gemm2(g2, sm.r);
-      prefetched = true;
-    } else {
-      produce_item<2>(a, g2, g1, sm, ring, index - w.n1, index);
+  cta_range(total, &begin, &end);
+  int const units = G.k_pad / 64;
+  for (int i = begin; i < end; ++i) {
+    Item const it = item_at(sm.r, G.items_per_group(), i);
+    // this lane's token row (lanes < it.rows)
+    const __nv_bfloat16* src_row = nullptr;
+    if (lane < it.rows) {
+      int const row = it.row0 + lane;
+      src_row = Kind == 1 ? a.hidden + int64_t(sm.r.row_slot[row] / a.top_k) * a.H : a.inter + int64_t(row) * a.I;
+    }
+    const uint8_t* wa = G.blocks + (int64_t(it.e) * (G.n_pad / 64) + it.q) * units * 2048;
+    const uint8_t* ws = G.scales + int64_t(it.e) * (G.k_pad / 32) * G.n_pad + it.q * kItemRows;
+    for (int c = 0; c < G.chunks(); ++c) {
+      int const u0 = c * kChunkUnits;
+      int const cu = min(kChunkUnits, units - u0);
+      int const k0 = u0 * 64;
+      uint32_t const b_bytes = uint32_t(min(kChunkUnits * 64, G.k_real - k0)) * 2;
+      if (ring.round > 0) mbar_wait(&sm.empty[ring.stage], (ring.round - 1) & 1);
+      uint8_t* st = sm.stages[ring.stage];
+      uint64_t* full = &sm.full[ring.stage];
+      // Scales: 2 cu groups x 64 rows, 16 bytes per copy spread over the lanes (as bulk copies, 16
+      // tiny requests per stage throttled the copy engine: measured 0.5-0.85 TB/s).
+      for (int p = lane; p < 2 * cu * (kItemRows / 16); p += 32) {
+        int const g = p / (kItemRows / 16), o = (p % (kItemRows / 16)) * 16;
+        async_copy16(st + kStageA + g * kItemRows + o, ws + int64_t(u0 * 2 + g) * G.n_pad + o);
+      }
+      async_copies_arrive(full);
+      __syncwarp();
+      if (lane == 0) {
+        mbar_expect_tx(full, cu * 2048 + it.rows * b_bytes);
+        bulk_copy(st, wa + int64_t(u0) * 2048, cu * 2048, full);
+      }
+      if (lane < it.rows) bulk_copy(st + kStageA + kStageS + lane * kBRowBytes, src_row + k0, b_bytes, full);
+      ring.next();
     }
   }
-  if (ring.round > 0) mbar_wait(&sm.empty[ring.stage], (ring.round - 1) & 1);
-  if (lane == 0) {
-    sm.item_of[ring.stage] = -1;
-    mbar_arrive(&sm.full[ring.stage]);
+}
+
+// GEMM2's weight slabs of this CTA's items into L2, up to kPrefetchBytesPerCta.
+__device__ void prefetch_gemm2(const Gemm& G, const Routing& r) {
+  int const lane = threadIdx.x % 32;
+  int const total = r.item_base[r.num_active] * G.items_per_group();
+  int begin, end;
+  cta_range(total, &begin, &end);
+  int64_t const slab_bytes = int64_t(G.k_pad / 64) * 2048;
+  int budget = kPrefetchBytesPerCta;
+  int last = -1;
+  for (int i = begin; i < end && budget > 0; ++i) {
+    Item const it = item_at(r, G.items_per_group(), i);
+    int const slab = it.e * (G.n_pad / 64) + it.q;
+    if (slab == last) continue;
+    last = slab;
+    // the slab split over the lanes, 16-byte multiples
+    int64_t const piece = (slab_bytes / 32 + 15) / 16 * 16;
+    int64_t const lo = lane * piece, hi = min(slab_bytes, lo + piece);
+    if (hi > lo) prefetch_l2(G.blocks + int64_t(slab) * slab_bytes + lo, uint32_t(hi - lo));
+    budget -= int(slab_bytes);
   }
-  mbar_arrive(&sm.full[ring.stage]);   // with lane 0's: the barrier's 1 + 32 arrivals
 }
 
 // ---- consumers -------------------------------------------------------------------------------
@@ -509,82 +454,62 @@ __device__ __forceinline__ void item_mma_dispatch(const Gemm& G, Smem& sm, Ring&
   }
 }
 
-// One item: this warp's share of its k loop, the K slices summed in a fixed order, and the
-// epilogue by slice 0. A GEMM1 item then counts its row block done for the expert's GEMM2 items.
 template <int Kind>
-__device__ void consume_item(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int& parity, int i) {
+__device__ void consume(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int& parity) {
   int const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int const rb = warp & 3, slice = warp >> 2;
   int const gq = lane / 4, cq = lane % 4;
-  Item const it = item_at(sm.r, G.items_per_group(), i);
-  // one accumulator chain per k-block of a unit: mma.sync's latency is not serialised
-  float acc4[4][4] = {};
-  item_mma_dispatch(G, sm, ring, rb, slice, acc4);
-  float acc[4];
+  int const total = sm.r.item_base[sm.r.num_active] * G.items_per_group();
+  int begin, end;
+  cta_range(total, &begin, &end);
+  for (int i = begin; i < end; ++i) {
+    Item const it = item_at(sm.r, G.items_per_group(), i);
+    // one accumulator chain per k-block of a unit: mma.sync's latency is not serialised
+    float acc4[4][4] = {};
+    item_mma_dispatch(G, sm, ring, rb, slice, acc4);
+    float acc[4];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) acc[j] = (acc4[0][j] + acc4[1][j]) + (acc4[2][j] + acc4[3][j]);
-  // K slices 1.. hand their sums to slice 0, which adds them in slice order.
-  if (slice > 0) {
-    float* dst = sm.red[parity][slice - 1][rb][lane];
+    for (int j = 0; j < 4; ++j) acc[j] = (acc4[0][j] + acc4[1][j]) + (acc4[2][j] + acc4[3][j]);
+    // K slices 1.. hand their sums to slice 0, which adds them in slice order.
+    if (slice > 0) {
+      float* dst = sm.red[parity][slice - 1][rb][lane];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) dst[j] = acc[j];
-  }
-  consumers_sync();
-  parity ^= 1;
-  if (slice > 0) return;
-#pragma unroll
-  for (int s = 0; s < kSlices - 1; ++s) {
-    float const* src = sm.red[parity ^ 1][s][rb][lane];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[j] += src[j];
-  }
-  // accumulator (m16n8): c0,c1 row gq, tokens 2cq, 2cq+1; c2,c3 row gq + 8
-  int const m = it.q * kItemRows + rb * 16 + gq;   // weight row (prepared order)
-  const float* bias = G.bias ? G.bias + int64_t(it.e) * G.n_pad : nullptr;
-#pragma unroll
-  for (int t = 0; t < 2; ++t) {
-    int const n = 2 * cq + t;
-    if (n >= it.rows) continue;
-    int64_t const row = it.row0 + n;
-    if constexpr (Kind == 1) {
-      // paired rows (layout.py): 16-row block b = gate[8b..8b+7], then up[8b..8b+7]
-      int const col = (m >> 4) * 8 + (m & 7);
-      float g = acc[t], u = acc[2 + t];
-      if (bias) { g += bias[m]; u += bias[m + 8]; }
-      if (col < a.I) a.inter[row * a.I + col] = __float2bfloat16_rn(mc_activation(g, u, a.activation, a.alpha, a.limit));
-    } else {
-      float const w = a.topk_weights[sm.r.row_slot[row]];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        int const mm = m + 8 * h;
-        float v = acc[2 * h + t];
-        if (bias) v += bias[mm];
-        v *= w;
-        if (mm < a.H) a.rows[row * a.H + mm] = __float2bfloat16_rn(v);
-      }
+      for (int j = 0; j < 4; ++j) dst[j] = acc[j];
     }
-  }
-  if constexpr (Kind == 1) {
-    // every lane's rows visible at gpu scope (and to the async proxy that GEMM2's bulk copies read
-    // through) before the count says so
-    __threadfence();
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-    __syncwarp();
-    if (lane == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(a.sync + 1 + it.a) : "memory");
-  }
-}
-
-// The consumer warps: the items the producer hands them, in its order, until its end marker.
-__device__ void consume_all(const Args& a, const Gemm& g1, const Gemm& g2, const Work& w, Smem& sm, Ring& ring) {
-  int parity = 0;
-  for (;;) {
-    mbar_wait(&sm.full[ring.stage], ring.round & 1);
-    int const index = sm.item_of[ring.stage];
-    if (index < 0) return;
-    if (index < w.n1) {
-      consume_item<1>(a, g1, sm, ring, parity, index);
-    } else {
-      consume_item<2>(a, g2, sm, ring, parity, index - w.n1);
+    consumers_sync();
+    parity ^= 1;
+    if (slice > 0) continue;
+#pragma unroll
+    for (int s = 0; s < kSlices - 1; ++s) {
+      float const* src = sm.red[parity ^ 1][s][rb][lane];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[j] += src[j];
+    }
+    // accumulator (m16n8): c0,c1 row gq, tokens 2cq, 2cq+1; c2,c3 row gq + 8
+    int const m = it.q * kItemRows + rb * 16 + gq;   // weight row (prepared order)
+    const float* bias = G.bias ? G.bias + int64_t(it.e) * G.n_pad : nullptr;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      int const n = 2 * cq + t;
+      if (n >= it.rows) continue;
+      int64_t const row = it.row0 + n;
+      if constexpr (Kind == 1) {
+        // paired rows (layout.py): 16-row block b = gate[8b..8b+7], then up[8b..8b+7]
+        int const col = (m >> 4) * 8 + (m & 7);
+        float g = acc[t], u = acc[2 + t];
+        if (bias) { g += bias[m]; u += bias[m + 8]; }
+        if (col < a.I) a.inter[row * a.I + col] = __float2bfloat16_rn(mc_activation(g, u, a.activation, a.alpha, a.limit));
+      } else {
+        float const w = a.topk_weights[sm.r.row_slot[row]];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          int const mm = m + 8 * h;
+          float v = acc[2 * h + t];
+          if (bias) v += bias[mm];
+          v *= w;
+          if (mm < a.H) a.rows[row * a.H + mm] = __float2bfloat16_rn(v);
+        }
+      }
     }
   }
 }
@@ -633,24 +558,20 @@ __global__ void __launch_bounds__(kThreads, 1) layer_kernel(Args a) {
                 2 * a.I, (2 * a.I + kRowPad - 1) / kRowPad * kRowPad, a.H, (a.H + kKPad - 1) / kKPad * kKPad};
   Gemm const g2{a.w2_blocks, a.w2_scales, a.w2_bias, a.w2_slow,
                 a.H, (a.H + kRowPad - 1) / kRowPad * kRowPad, a.I, (a.I + kKPad - 1) / kKPad * kKPad};
-  int const groups = sm.r.item_base[sm.r.num_active];
-  Work const w{groups * g1.items_per_group(), groups * g2.items_per_group()};
+  Ring ring;
+  int parity = 0;
   bool const producer = threadIdx.x / 32 == kConsumerWarps;
-  // The work counters start at zero: the workspace is the caller's memory, and the four-launch path
-  // writes its offsets there. The first item's weights head for L2 meanwhile.
-  if (blockIdx.x == 0) {
-    for (int i = threadIdx.x; i <= sm.r.num_active; i += kThreads) a.sync[i] = 0;
-  }
-  if (producer && int(blockIdx.x) < w.n1) {
-    Item const it = item_at(sm.r, g1.items_per_group(), blockIdx.x);
-    prefetch_slab(g1, it.e, it.q);
+  if (producer) {
+    produce<1>(a, g1, sm, ring);
+    prefetch_gemm2(g2, sm.r);
+  } else {
+    consume<1>(a, g1, sm, ring, parity);
   }
   phase_barrier();
-  Ring ring;
   if (producer) {
-    produce_all(a, g1, g2, w, sm, ring);
+    produce<2>(a, g2, sm, ring);
   } else {
-    consume_all(a, g1, g2, w, sm, ring);
+    consume<2>(a, g2, sm, ring, parity);
   }
   phase_barrier();
   finalize(a, sm.r);
@@ -670,7 +591,7 @@ int launch(McLayerCall const* c) {
   }
   if (slots == 0) return int(cudaSuccess);
   if (!c->hidden || !c->topk_ids || !c->topk_weights || !c->out || !c->w13_blocks || !c->w13_scales ||
-      !c->w2_blocks || !c->w2_scales || !c->gathered || !c->inter || !c->expert_offsets || c->act_rows < slots) {
+      !c->w2_blocks || !c->w2_scales || !c->gathered || !c->inter || c->act_rows < slots) {
     return int(cudaErrorInvalidValue);
   }
   if (misaligned(c->hidden, 16) || misaligned(c->out, 16) || misaligned(c->w13_blocks, 16) ||
@@ -700,7 +621,6 @@ int launch(McLayerCall const* c) {
   a.w2_slow = c->w2_scale_max > kFastScaleMax;
   a.inter = static_cast<__nv_bfloat16*>(c->inter);
   a.rows = static_cast<__nv_bfloat16*>(c->gathered);
-  a.sync = c->expert_offsets;   // E + 1 ints: the four-launch path's offsets, unused by this one
   a.activation = int(c->activation);
   a.alpha = c->swiglu_alpha;
   a.limit = c->swiglu_limit;
