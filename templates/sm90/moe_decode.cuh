@@ -37,10 +37,17 @@
 //     from M=2 on: the launch saves 6-10 us of fixed cost, then streams weights at 0.8-1.6 TB/s at
 //     M=1 (profile_20261201T011631Z) where the CUTLASS GEMMs reach 1.6-3.9 at M=4-64. ncu (gpt-oss
 //     M=4): issue bound, 0.62 warp instructions per cycle per scheduler, ~190 per 1024 weights; with
-//     the consumers' work removed the ring streams 3.8 TB/s (dsv3 M=16). ops.uses_fused takes this
-//     path where it measured faster. What it would take to win everywhere: the consumers on async
-//     RS-WGMMA with B from shared memory (the CUTLASS mainloop's two register sets), and K split
-//     across CTAs when items are under two waves.
+//     the consumers' work removed the ring streams 3.8 TB/s (dsv3 M=16). Since then (NOTES.md
+//     2026-12-01 (10)): the K-tail path out of the unit loop (141 -> 89 warp instructions per 1024
+//     weights) and 8-token items in 7 stages; against the four launches in one process, M=1 qwen3
+//     27.8 vs 35.9 us, gpt-oss 41.1 vs 49.9, dsv4-flash 51.6 vs 60.0, dsv3 94.7 vs 89.1; M=2 qwen3
+//     39.4 vs 42.4; M=16 1.45-1.48x the four launches' time. ncu at M=1: 15-25% of the warps wait
+//     at the grid barriers (uneven items per CTA), issue 0.28-0.37 per scheduler. ops.uses_fused
+//     takes this path where it measured faster. A claimed work order with per-expert counters in
+//     place of the middle barrier measured 10-24% slower (one global counter's round trip per item
+//     on the producer's critical path). What it would take to win everywhere: the consumers on
+//     async RS-WGMMA with B from shared memory (the CUTLASS mainloop's two register sets), and K
+//     split across CTAs when items are under two waves.
 //  7. Determinism: no atomics in any sum. The finalize is the finalize kernel's arithmetic (fp32
 //     sum over the k choices in slot order, one multiply by routed_scaling_factor, one rounding);
 //     a token's bits depend on the batch only through the GEMMs' K-split order, which is fixed.
