@@ -190,8 +190,8 @@ assert [getattr(LayerCall, f).offset for f, _ in LayerCall._fields_[:8]] == list
 # (launches, expand, finalize, graph gaps) but streams weights slower than the CUTLASS GEMMs.
 # Measured on an H200, both paths in one process (benchmarks/NOTES.md 2026-12-01 (10)): it wins at
 # one token on qwen3 (12.6M weights), gpt-oss (33M) and dsv4-flash (50M) and at two on qwen3 (25M)
-# and gpt-oss (66M), by 4.5-25%; it loses at two tokens on dsv4-flash (101M, +4%), at one on dsv3
-# (117M, +5%) and from four tokens on (qwen3 +10%).
+# and gpt-oss (66M), by 7-23%; it loses at two tokens on dsv4-flash (101M, +3.5%), at one on dsv3
+# (117M, +6%) and from four tokens on (qwen3 +8%).
 FUSED_MAX_TOKENS = 2
 FUSED_MAX_WEIGHTS = 80 << 20
 FUSED_KERNEL = "moe_decode"
