@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import moe_cutlass as mc
 from moe_cutlass import _gemm, ops
-from benchmarks.ab_tiles import one_tile
+from benchmarks.ab_tiles import one_tile, split_tiles
 from benchmarks.bench_moe import CONFIGS, Timer, measure_floors, random_batch, random_experts
 from benchmarks.record import write_record
 
@@ -87,13 +87,16 @@ def profile_config(name, tokens, reps, gen):
 
 def plan_override(tall=None, tile=None):
     """What replaces _gemm.plan for --tall XY (the rule with its tiles of up to 64 tokens on 192 rows
-    where X / Y is 1) or --tile T (one tile for every call), or None for the rule itself."""
+    where X / Y is 1) or --tile T (one tile for every call, or a "split-128+96+64+48+32" candidate: the
+    rule with split_plan combining those token tiles), or None for the rule itself."""
     if tall is not None and tile is not None:
         raise ValueError("--tall and --tile exclude each other")
     if tall is not None:
         if len(tall) != 2 or set(tall) - {"0", "1"}:
             raise ValueError(f"--tall takes two digits 0/1, got {tall!r}")
         return functools.partial(_gemm.plan, tall_tiles=(tall[0] == "1", tall[1] == "1"))
+    if tile is not None and tile.startswith("split-"):
+        return functools.partial(_gemm.plan, split_tiles=split_tiles(tile))
     if tile is not None:
         forced = one_tile(tile)
         return lambda *a, **kw: forced

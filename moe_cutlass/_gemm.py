@@ -102,7 +102,7 @@ SPREAD_SDS = 3.0
 ALL_PARTS_ROWS = 96
 
 
-def split_plan(rows: int, num_experts: int) -> Plan:
+def split_plan(rows: int, num_experts: int, tiles=None) -> Plan:
     """Parts of token tiles 128 / 96 / 64 / 32 that the device chooses between per expert: each
     expert's full 128-row chunks and a remainder above 96 in the 128-token tile, a remainder in
     (64, 96] in the 96-token tile, and so on down to 32 (KERNEL_NOTES H.4: one tile per launch
@@ -110,10 +110,12 @@ def split_plan(rows: int, num_experts: int) -> Plan:
     weights twice at the M = 1024 ridge). Parts that no expert within the expected spread of rows
     needs are left out (a launch without rows still costs a few microseconds), their windows
     merged into the next larger part's; the chunk is the smallest power-of-two tile above the
-    spread. Skewed routing is still right, its outliers in larger or more tiles than they need."""
+    spread. Skewed routing is still right, its outliers in larger or more tiles than they need.
+    tiles: the config suffixes to combine, largest first (default SPLIT_TILES)."""
+    tiles = SPLIT_TILES if tiles is None else tuple(tiles)
     mean = rows / max(1, num_experts)
     lo, hi = max(0.0, mean - SPREAD_SDS * math.sqrt(mean)), mean + SPREAD_SDS * math.sqrt(mean)
-    sizes = [tile_n(t) for t in SPLIT_TILES]
+    sizes = [tile_n(t) for t in tiles]
     chunk = next((n for n in reversed(sizes) if n >= hi and n & (n - 1) == 0), sizes[0])   # a power of two
     needed = {chunk} if hi >= chunk else set()   # full chunks expected
     for r in range(int(lo), int(math.ceil(hi)) + 1):
@@ -121,7 +123,7 @@ def split_plan(rows: int, num_experts: int) -> Plan:
             needed.add(min(n for n in sizes if n >= r % chunk))
     # The largest kept part also takes the full chunks and any remainder above it (its window ends
     # at the chunk): rows past the expected spread, in more than one of its tiles.
-    kept = [(t, n) for t, n in zip(SPLIT_TILES, sizes) if n <= chunk and (n in needed or mean >= ALL_PARTS_ROWS)]
+    kept = [(t, n) for t, n in zip(tiles, sizes) if n <= chunk and (n in needed or mean >= ALL_PARTS_ROWS)]
     return Plan(chunk, tuple((f"moe_gemm1_{t}", f"moe_gemm2_{t}", kept[i + 1][1] if i + 1 < len(kept) else 0,
                               chunk if i == 0 else n) for i, (t, n) in enumerate(kept)))
 
@@ -133,7 +135,7 @@ def split_plan(rows: int, num_experts: int) -> Plan:
 # gpt-oss M = 1024 GEMM1 -8.2%, dsv3 M = 1024 GEMM1 -1.4%; the worst, dsv4-flash M = 1024 GEMM2,
 # +1.7%), the streaming 8/16-token tiles lose (+2..+12% at M = 4-64 on all shapes but gpt-oss
 # GEMM1 M = 64). So plan() takes them for split plans only.
-TALL_TILES = {f"m128n{n}k256_coop": f"m192n{n}k128_coop" for n in (8, 16, 32, 64)}
+TALL_TILES = {f"m128n{n}k256_coop": f"m192n{n}k128_coop" for n in (8, 16, 32, 48, 64)}
 BOTH_TALL, NO_TALL = (True, True), (False, False)
 
 
@@ -144,17 +146,18 @@ def tall(config: str, on: bool, available=None) -> str:
     return other if available is None or other.replace("moe_gemm2_", "moe_gemm1_", 1) in available else config
 
 
-def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tall_tiles=None) -> Plan:
+def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tall_tiles=None,
+         split_tiles=None) -> Plan:
     """The GEMM launches of a call with `rows` (M * top_k) rows (available: the GEMM1 configs the
     library holds, as for pick_config; GEMM2's follow them): pick_config's one tile up to
     SPLIT_MIN_ROWS rows per expert (streaming tiles) and for batch_invariant (whose bits must not
     depend on which part a row lands in), split_plan's parts above, their tiles of up to 64 tokens
     on 192 rows (TALL_TILES). tall_tiles = (GEMM1, GEMM2) overrides where the tiles of up to 64
-    tokens run on 192 rows (for A/B; not with batch_invariant)."""
+    tokens run on 192 rows (for A/B; not with batch_invariant); split_tiles overrides SPLIT_TILES (for A/B)."""
     if batch_invariant or rows / max(1, num_experts) <= SPLIT_MIN_ROWS:
         p, rule = single(pick_config(1, rows, num_experts, available, batch_invariant)), NO_TALL
     else:
-        p, rule = split_plan(rows, num_experts), BOTH_TALL
+        p, rule = split_plan(rows, num_experts, split_tiles), BOTH_TALL
         if available is not None and not all(part[0] in available for part in p.parts):
             p, rule = single(pick_config(1, rows, num_experts, available, batch_invariant)), NO_TALL
     if batch_invariant:

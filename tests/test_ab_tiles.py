@@ -1,5 +1,5 @@
 """benchmarks/ab_tiles.py: the candidates' interleaving (the timing itself runs on the H200 only)."""
-from benchmarks.ab_tiles import candidate, interleaved_us, label
+from benchmarks.ab_tiles import candidate, interleaved_us, label, split_tiles
 from moe_cutlass import _gemm
 
 
@@ -44,3 +44,17 @@ def test_plan_variants_force_the_192_row_tiles_per_gemm():
     assert [(c1, c2) for c1, c2, _, _ in forced.parts] == [
         ("moe_gemm1_m128n64k256_coop", "moe_gemm2_m192n64k128_coop"),
         ("moe_gemm1_m128n32k256_coop", "moe_gemm2_m192n32k128_coop")]
+
+
+def test_split_candidates_combine_the_token_tiles_they_name():
+    assert split_tiles("split-128+96+48+16") == ("m128n128k128_coop", "m128n96k128_coop", "m128n48k256_coop",
+                                                 "m128n16k256_coop")
+    name, forced, picked = candidate("split-128+96+64+48+32+16", 1024, 6, 256)   # dsv4-flash: 24 +- 15 rows
+    assert name == "split-128+96+64+48+32+16:plan:n48t+n32t+n16t" and not picked
+    chunk = forced.chunk
+    windows = [(lo, hi) for _, _, lo, hi in forced.parts]
+    assert chunk == 64 and windows == [(32, 64), (16, 32), (0, 16)]
+    # every remainder lands in exactly one part, in the smallest of its tiles that holds it
+    for rows in range(0, 200):
+        takes = [_gemm.window_rows(rows, chunk, lo, hi)[1] for lo, hi in windows]
+        assert sum(takes) == rows
