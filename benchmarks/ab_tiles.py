@@ -12,7 +12,7 @@ places, bench_20261201T033808Z: the GPU's clocks drift within a row.) A candidat
 launch per GEMM over every row, the same tile for both GEMMs), "plan", what fused_moe runs
 (_gemm.plan: one tile, or parts whose tile the device picks per expert), or "plan-tXY", the plan
 with GEMM1's / GEMM2's tiles of up to 64 tokens in their 192-row versions where X / Y is 1, or
-"split-128+96+64+48+32", the plan with split_plan combining those token tiles instead of SPLIT_TILES. The
+"split-128+96+64+32+16", the plan with split_plan combining those token tiles instead of SPLIT_TILES. The
 record ("kind": "bench") holds one row per (shape, M, candidate) with "tile" (for "plan", the
 plan's tiles, e.g. "plan:n128+n64+n32") and "picked" (the candidate fused_moe runs).
 """
@@ -64,7 +64,7 @@ def candidate(tile, M, k, E, available=None):
 
 
 def split_tiles(candidate):
-    """The split plan's tiles of a "split-128+96+64+48+32" candidate: 128-row tiles, TileK 128 from
+    """The split plan's tiles of a "split-128+96+64+32+16" candidate: 128-row tiles, TileK 128 from
     96 tokens up and 256 below (as SPLIT_TILES; plan() moves those of up to 64 tokens to 192 rows)."""
     return tuple(f"m128n{n}k{128 if n >= 96 else 256}_coop" for n in map(int, candidate[len("split-"):].split("+")))
 

@@ -87,7 +87,7 @@ def profile_config(name, tokens, reps, gen):
 
 def plan_override(tall=None, tile=None):
     """What replaces _gemm.plan for --tall XY (the rule with its tiles of up to 64 tokens on 192 rows
-    where X / Y is 1) or --tile T (one tile for every call, or a "split-128+96+64+48+32" candidate: the
+    where X / Y is 1) or --tile T (one tile for every call, or a "split-128+96+64+32+16" candidate: the
     rule with split_plan combining those token tiles), or None for the rule itself."""
     if tall is not None and tile is not None:
         raise ValueError("--tall and --tile exclude each other")

@@ -135,7 +135,7 @@ def split_plan(rows: int, num_experts: int, tiles=None) -> Plan:
 # gpt-oss M = 1024 GEMM1 -8.2%, dsv3 M = 1024 GEMM1 -1.4%; the worst, dsv4-flash M = 1024 GEMM2,
 # +1.7%), the streaming 8/16-token tiles lose (+2..+12% at M = 4-64 on all shapes but gpt-oss
 # GEMM1 M = 64). So plan() takes them for split plans only.
-TALL_TILES = {f"m128n{n}k256_coop": f"m192n{n}k128_coop" for n in (8, 16, 32, 48, 64)}
+TALL_TILES = {f"m128n{n}k256_coop": f"m192n{n}k128_coop" for n in (8, 16, 32, 64)}
 BOTH_TALL, NO_TALL = (True, True), (False, False)
 
 

@@ -188,12 +188,13 @@ assert [getattr(LayerCall, f).offset for f, _ in LayerCall._fields_[:8]] == list
 # FUSED_MAX_WEIGHTS expert weights per matrix kind summed over the slots (M * top_k * H * I), never
 # batch_invariant (whose bits must not depend on the batch). The one launch saves fixed costs
 # (launches, expand, finalize, graph gaps) but streams weights slower than the CUTLASS GEMMs.
-# Measured on an H200, both paths in one process (benchmarks/NOTES.md 2026-12-01 (10)): it wins at
-# one token on qwen3 (12.6M weights), gpt-oss (33M) and dsv4-flash (50M) and at two on qwen3 (25M)
-# and gpt-oss (66M), by 7-23%; it loses at two tokens on dsv4-flash (101M, +3.5%), at one on dsv3
-# (117M, +6%) and from four tokens on (qwen3 +8%).
-FUSED_MAX_TOKENS = 2
-FUSED_MAX_WEIGHTS = 80 << 20
+# Measured on an H200, both paths in one process, with the one-warp routing and the 64 KB GEMM2
+# prefetch (benchmarks/NOTES.md 2026-12-01 (11)): it wins at one token on all four shapes (qwen3
+# 12.6M weights -28%, gpt-oss 33M -22%, dsv4-flash 50M -20%, dsv3 117M -4.5%), at two on qwen3 (25M),
+# gpt-oss (66M) and dsv4-flash (101M) by 7-20%, at four on qwen3 (50M, -7%); it loses at four tokens
+# on gpt-oss (133M, +4%), at two on dsv3 (235M, +15%) and at eight on qwen3 (101M, +28%).
+FUSED_MAX_TOKENS = 4
+FUSED_MAX_WEIGHTS = 120 << 20
 FUSED_KERNEL = "moe_decode"
 
 # GEMM1, GEMM2 and finalize as programmatic dependent launches (templates/sm90/pdl.cuh): each

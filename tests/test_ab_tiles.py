@@ -47,10 +47,10 @@ def test_plan_variants_force_the_192_row_tiles_per_gemm():
 
 
 def test_split_candidates_combine_the_token_tiles_they_name():
-    assert split_tiles("split-128+96+48+16") == ("m128n128k128_coop", "m128n96k128_coop", "m128n48k256_coop",
+    assert split_tiles("split-128+96+64+16") == ("m128n128k128_coop", "m128n96k128_coop", "m128n64k256_coop",
                                                  "m128n16k256_coop")
-    name, forced, picked = candidate("split-128+96+64+48+32+16", 1024, 6, 256)   # dsv4-flash: 24 +- 15 rows
-    assert name == "split-128+96+64+48+32+16:plan:n48t+n32t+n16t" and not picked
+    name, forced, picked = candidate("split-128+64+32+16", 1024, 6, 256)   # dsv4-flash: 24 +- 15 rows
+    assert name == "split-128+64+32+16:plan:n64t+n32t+n16t" and not picked
     chunk = forced.chunk
     windows = [(lo, hi) for _, _, lo, hi in forced.parts]
     assert chunk == 64 and windows == [(32, 64), (16, 32), (0, 16)]
@@ -58,3 +58,4 @@ def test_split_candidates_combine_the_token_tiles_they_name():
     for rows in range(0, 200):
         takes = [_gemm.window_rows(rows, chunk, lo, hi)[1] for lo, hi in windows]
         assert sum(takes) == rows
+    assert candidate("split-128+96+64+32", 1024, 6, 256)[2]   # SPLIT_TILES itself: the rule

@@ -23,10 +23,11 @@ def test_which_calls_take_one_launch(monkeypatch):
     limit = ops.fused_max_slots()
     assert limit >= 128
     H, I = 2880, 2880
-    # the built-in rule: one and two tokens of qwen3 and gpt-oss, one of dsv4-flash, not dsv3
-    assert ops.uses_fused(2, 8, 2048, 768) and ops.uses_fused(2, 4, H, I) and ops.uses_fused(1, 6, 4096, 2048)
-    assert not ops.uses_fused(4, 8, 2048, 768) and not ops.uses_fused(2, 6, 4096, 2048)
-    assert not ops.uses_fused(1, 8, 7168, 2048)
+    # the built-in rule: up to four tokens of qwen3, two of gpt-oss and dsv4-flash, one of dsv3
+    assert ops.uses_fused(4, 8, 2048, 768) and ops.uses_fused(2, 4, H, I) and ops.uses_fused(2, 6, 4096, 2048)
+    assert ops.uses_fused(1, 8, 7168, 2048)
+    assert not ops.uses_fused(8, 8, 2048, 768) and not ops.uses_fused(4, 4, H, I)
+    assert not ops.uses_fused(4, 6, 4096, 2048) and not ops.uses_fused(2, 8, 7168, 2048)
     monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 16)
     monkeypatch.setattr(ops, "FUSED_MAX_WEIGHTS", 16 * 8 * H * I)
     assert ops.uses_fused(1, 8, H, I) and ops.uses_fused(16, 8, H, I)
@@ -117,14 +118,15 @@ def test_scale_bytes_above_128_take_the_exact_slow_path(fused):
 
 @pytest.mark.gpu
 def test_many_rows_on_one_expert(fused):
-    """64 rows on one expert (four 16-token groups), a token choosing it several times, and one
-    token on an expert alone: items of 1, 16 and 9 tokens."""
+    """64 and 32 rows on one expert (the general routing and the one-warp routing of up to 32 slots),
+    a token choosing it several times, and one token on an expert alone: items of 1, 8 and 9 tokens."""
     gen = torch.Generator("cuda").manual_seed(6)
     E, H, I = 8, 256, 192
     experts = random_experts(E, H, I, gen)
-    weights, ids = random_routing(16, E, 4, gen)
-    ids[:, :] = 3
-    run_fused(random_hidden(16, H, gen), experts, weights, ids)
+    for M in (16, 8):
+        weights, ids = random_routing(M, E, 4, gen)
+        ids[:, :] = 3
+        run_fused(random_hidden(M, H, gen), experts, weights, ids)
     weights, ids = random_routing(25, E, 1, gen)
     ids[:16] = 0
     ids[16:] = 5
@@ -133,8 +135,9 @@ def test_many_rows_on_one_expert(fused):
 
 
 @pytest.mark.gpu
-def test_dropped_ids_and_expert_map(fused):
-    experts, gen = check_dropped_ids_and_expert_map(12, run_fused)
+@pytest.mark.parametrize("M", [5, 12])   # 20 slots (the one-warp routing), 48 (the general one)
+def test_dropped_ids_and_expert_map(fused, M):
+    experts, gen = check_dropped_ids_and_expert_map(M, run_fused)
     weights, _ = random_routing(5, 8, 4, gen)
     out = torch.full((5, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
     mc.fused_moe(random_hidden(5, 128, gen), experts, weights[:5],

@@ -10,7 +10,11 @@
 //     launch, one pipeline fill per phase and two barriers.
 //  2. Every CTA redoes the routing of <= kMaxSlots slots in shared memory (counts, stable ranks,
 //     offsets, the active experts): no global pass, no expand kernel, no gather. GEMM1 reads the
-//     token rows straight from hidden_states.
+//     token rows straight from hidden_states. Up to 32 slots (the calls ops.uses_fused sends here)
+//     one warp does it in registers (match_any, 32 shuffles): per-phase timestamps put the
+//     shared-memory version at 3.0-3.6 us of a 22-45 us kernel at M = 1 (dependent shared-memory
+//     round trips of one warp's scans), and the layer got 1.4-2.5 us faster without it
+//     (benchmarks/NOTES.md 2026-12-01 (11)).
 //  3. The GEMMs leave CUTLASS's collectives for a hand-written loop, because the CUTLASS
 //     kernel layer is one GEMM per launch and cannot wait inside a launch for another GEMM's
 //     output. What it keeps from our CUTLASS mainloop: the prepared weight layout, whose 512-byte
@@ -29,8 +33,13 @@
 //     8 tokens (one n8 block) rather than 16: the stage's token rows take half the space, so the
 //     ring holds 7 stages instead of 5, and the one launch got 2-5% faster at M = 1-4 and won at
 //     M = 2 too (benchmarks/NOTES.md 2026-12-01 (10)); more tokens than that go to the four launches.
-//  5. While GEMM1 runs, the producer prefetches its GEMM2 weight slabs into L2
-//     (cp.async.bulk.prefetch.L2), so GEMM2 starts from L2 after the barrier.
+//  5. After its GEMM1 loads the producer prefetches its first GEMM2 weight slabs into L2
+//     (cp.async.bulk.prefetch.L2, one per slab, up to 64 KB per CTA), so GEMM2's pipeline fills from
+//     L2 after the barrier. Timestamps showed the earlier version (256 KB per CTA, each slab split
+//     over the 32 lanes) holding the grid barrier 0.8-3.4 us after the last consumer; A/B of the
+//     layer (NOTES.md 2026-12-01 (11)): no prefetch is 2-5% slower at M = 1 and 2-3% faster at
+//     M = 2 than 256 KB in whole slabs, 64 KB is within 0.5% of the better one at every point, and
+//     prefetching before GEMM1 is 4-19% slower.
 //  6. Measured on an H200 (benchmarks/NOTES.md, 2026-12-01 one-launch section; A/B in one run,
 //     benchmarks/results/bench_20261201T011624Z.json): graph replay at M=1 qwen3 29.9 vs 32.0 us,
 //     gpt-oss 46.7 vs 49.8, dsv4-flash 57.3 vs 61.1, but dsv3 105.5 vs 87.9 and every shape slower
@@ -42,8 +51,10 @@
 //     weights) and 8-token items in 7 stages; against the four launches in one process, M=1 qwen3
 //     27.8 vs 35.9 us, gpt-oss 41.1 vs 49.9, dsv4-flash 51.6 vs 60.0, dsv3 94.7 vs 89.1; M=2 qwen3
 //     39.4 vs 42.4; M=16 1.45-1.48x the four launches' time. ncu at M=1: 15-25% of the warps wait
-//     at the grid barriers (uneven items per CTA), issue 0.28-0.37 per scheduler. ops.uses_fused
-//     takes this path where it measured faster. A claimed work order with per-expert counters in
+//     at the grid barriers (uneven items per CTA), issue 0.28-0.37 per scheduler. With the two
+//     changes of items 2 and 5 (session 11): M=1 qwen3 25.6 us, gpt-oss 38.1, dsv4-flash 46.4, dsv3
+//     87.5 (four launches 35.6 / 49.0 / 58.1 / 91.6), qwen3 M=4 49.5 vs 53.4. ops.uses_fused takes
+//     this path where it measured faster. A claimed work order with per-expert counters in
 //     place of the middle barrier measured 10-24% slower (one global counter's round trip per item
 //     on the producer's critical path). What it would take to win everywhere: the consumers on
 //     async RS-WGMMA with B from shared memory (the CUTLASS mainloop's two register sets), and K
@@ -86,7 +97,7 @@ constexpr int kStageS = 2 * kChunkUnits * kItemRows;
 constexpr int kStageB = kItemTokens * kBRowBytes;
 constexpr int kStageBytes = kStageA + kStageS + kStageB;
 static_assert(kStageBytes % 128 == 0);
-constexpr int kPrefetchBytesPerCta = 256 << 10;   // L2 share per SM, of 50 MB: ~380 KB
+constexpr int kPrefetchBytesPerCta = 64 << 10;   // GEMM2 slabs into L2 per CTA (item 5)
 
 struct Args {
   const __nv_bfloat16* hidden;
@@ -225,10 +236,59 @@ __device__ int warp_exclusive_scan(int* v, int n) {
   return __shfl_sync(0xffffffffu, incl, 31);
 }
 
+// Up to 32 slots (every call the one launch takes in practice: ops.uses_fused): one warp routes
+// them in registers, slot s on lane s. Same results as the general path below for the active
+// experts (count, offset, active, item_base; the other experts' entries are never read).
+template <typename IdT>
+__device__ void route_warp(const Args& a, Routing& r, int slots) {
+  int const lane = threadIdx.x;
+  int const e = lane < slots ? local_expert<IdT>(a, lane) : -1;
+  int const key = e >= 0 ? e : INT_MAX;   // dropped slots and idle lanes sort after every expert
+  unsigned const lt = (1u << lane) - 1u;
+  unsigned const peers = __match_any_sync(0xffffffffu, key);
+  int const rank = __popc(peers & lt), count = __popc(peers);
+  bool const leader = e >= 0 && rank == 0;
+  int const groups = leader ? (count + kItemTokens - 1) / kItemTokens : 0;
+  // Over the other slots: rows of lower experts (the offset), lower active experts (the index into
+  // active) and their token groups (item_base).
+  int offset = 0, index = 0, base = 0;
+#pragma unroll 8
+  for (int j = 0; j < 32; ++j) {
+    int const kj = __shfl_sync(0xffffffffu, key, j);
+    int const gj = __shfl_sync(0xffffffffu, groups, j);
+    bool const lower = kj < key;
+    offset += lower;
+    index += lower && gj > 0;
+    base += lower ? gj : 0;
+  }
+  if (lane < slots) {
+    int const row = e >= 0 ? offset + rank : -1;
+    r.slot_row[lane] = row;
+    if (row >= 0) r.row_slot[row] = lane;
+  }
+  if (leader) {
+    r.count[e] = count;
+    r.offset[e] = offset;
+    r.active[index] = e;
+    r.item_base[index] = base;
+  }
+  int const n = __popc(__ballot_sync(0xffffffffu, leader));
+  int const total = __reduce_add_sync(0xffffffffu, groups);
+  if (lane == 0) {
+    r.item_base[n] = total;
+    r.num_active = n;
+  }
+}
+
 // Rows in expert order, each expert's slots in slot order (the expand kernel's order).
 template <typename IdT>
 __device__ void route(const Args& a, Routing& r) {
   int const slots = a.num_tokens * a.top_k;
+  if (slots <= 32) {
+    if (threadIdx.x < 32) route_warp<IdT>(a, r, slots);
+    __syncthreads();
+    return;
+  }
   for (int e = threadIdx.x; e < a.num_experts; e += kThreads) r.count[e] = 0;
   for (int s = threadIdx.x; s < slots; s += kThreads) r.slot_expert[s] = local_expert<IdT>(a, s);
   __syncthreads();
@@ -354,7 +414,9 @@ __device__ void produce(const Args& a, const Gemm& G, Smem& sm, Ring& ring) {
   }
 }
 
-// GEMM2's weight slabs of this CTA's items into L2, up to kPrefetchBytesPerCta.
+// GEMM2's weight slabs of this CTA's items into L2, up to kPrefetchBytesPerCta: one bulk prefetch
+// per slab, lane l taking slabs l, l + 32, ... (with each slab split into 32 requests over the
+// lanes, the producer reached the grid barrier up to 3.4 us after the last consumer).
 __device__ void prefetch_gemm2(const Gemm& G, const Routing& r) {
   int const lane = threadIdx.x % 32;
   int const total = r.item_base[r.num_active] * G.items_per_group();
@@ -363,15 +425,13 @@ __device__ void prefetch_gemm2(const Gemm& G, const Routing& r) {
   int64_t const slab_bytes = int64_t(G.k_pad / 64) * 2048;
   int budget = kPrefetchBytesPerCta;
   int last = -1;
+  int n = 0;
   for (int i = begin; i < end && budget > 0; ++i) {
     Item const it = item_at(r, G.items_per_group(), i);
     int const slab = it.e * (G.n_pad / 64) + it.q;
     if (slab == last) continue;
     last = slab;
-    // the slab split over the lanes, 16-byte multiples
-    int64_t const piece = (slab_bytes / 32 + 15) / 16 * 16;
-    int64_t const lo = lane * piece, hi = min(slab_bytes, lo + piece);
-    if (hi > lo) prefetch_l2(G.blocks + int64_t(slab) * slab_bytes + lo, uint32_t(hi - lo));
+    if (n++ % 32 == lane) prefetch_l2(G.blocks + int64_t(slab) * slab_bytes, uint32_t(slab_bytes));
     budget -= int(slab_bytes);
   }
 }
@@ -523,18 +583,17 @@ __device__ void consume(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int&
 
 // ---- finalize --------------------------------------------------------------------------------
 // The finalize kernel's arithmetic (routing.cuh): per 8 outputs, fp32 sum over j = 0..k-1, then
-// one multiply by the scaling factor and one rounding.
+// one multiply by the scaling factor and one rounding. The k row loads of a thread go out together:
+// one at a time (a dependent L2 round trip each) they kept the finalizing CTA 2.4 us past the second
+// grid barrier at qwen3 M = 1 (timestamps, NOTES.md 2026-12-01 (11)).
 __device__ void finalize(const Args& a, const Routing& r) {
   int64_t const chunks = a.H / 8;
   int64_t const n = int64_t(a.num_tokens) * chunks;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
     int64_t const t = i / chunks, c = i - t * chunks;
     float acc[8] = {};
-    for (int j = 0; j < a.top_k; ++j) {
-      int const row = r.slot_row[t * a.top_k + j];
-      if (row < 0) continue;
-      mc_add_bf16x8(acc, __ldcg(reinterpret_cast<const uint4*>(a.rows + int64_t(row) * a.H) + c));
-    }
+    mc_sum_rows<8>(acc, a.top_k, [&](int j) { return r.slot_row[t * a.top_k + j]; },
+                   [&](int row) { return __ldcg(reinterpret_cast<const uint4*>(a.rows + int64_t(row) * a.H) + c); });
     uint4 const packed = mc_scaled_bf16x8(acc, a.routed_scaling_factor);
     *(reinterpret_cast<uint4*>(a.out + t * a.H) + c) = packed;
   }

@@ -12,15 +12,6 @@
 // (GemmUniversalAdapter::initialize, cached), no device memory is read.
 #pragma once
 
-// The 48-token tiles need CuTe's m64n48k16 GMMA atom, which its RS op selector offers only under
-// this macro (without it, N = 48 picks three n16 atoms, which our mainloop and epilogue, one atom
-// per warpgroup, refuse). The other tiles select the same atom either way: no N they use is a
-// multiple of an extended-only size. (N = 24 gets its atom too, but its B tile of three 8-row
-// swizzle atoms fails CuTe's TMA divisibility checks.)
-#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
-#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
-#endif
-
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <cstddef>

@@ -73,6 +73,27 @@ __device__ __forceinline__ void mc_add_bf16x8(float (&acc)[8], uint4 v) {
     acc[2 * q + 1] += f.y;
   }
 }
+// A token's k expert rows into acc in slot order, Trip rows per trip: every row index of a trip
+// first, then all its loads, then the adds (one round trip per trip instead of one per row; the
+// add order, and so the bits, as one row at a time). row_of(j): slot j's row, or < 0 for none.
+template <int Trip, typename RowOf, typename Load>
+__device__ __forceinline__ void mc_sum_rows(float (&acc)[8], int top_k, RowOf row_of, Load load) {
+  for (int j0 = 0; j0 < top_k; j0 += Trip) {
+    int row[Trip];
+    uint4 v[Trip];
+#pragma unroll
+    for (int u = 0; u < Trip; ++u) row[u] = j0 + u < top_k ? row_of(j0 + u) : -1;
+#pragma unroll
+    for (int u = 0; u < Trip; ++u) {
+      if (row[u] >= 0) v[u] = load(row[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < Trip; ++u) {
+      if (row[u] >= 0) mc_add_bf16x8(acc, v[u]);
+    }
+  }
+}
+
 __device__ __forceinline__ uint4 mc_scaled_bf16x8(const float (&acc)[8], float scale) {
   uint4 packed;
   __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&packed);

@@ -563,24 +563,13 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(FinalizeArgs a) {
     float acc[kBf16PerChunk];
 #pragma unroll
     for (int q = 0; q < kBf16PerChunk; ++q) acc[q] = 0.0f;
-    // All row indices of a trip first, then all their loads: no chain of dependent round trips.
-    for (int j0 = 0; j0 < a.top_k; j0 += kRowsPerTrip) {
-      int row[kRowsPerTrip];
-      uint4 v[kRowsPerTrip];
-#pragma unroll
-      for (int u = 0; u < kRowsPerTrip; ++u) {
-        row[u] = j0 + u < a.top_k ? __ldg(a.slot_to_row + t * a.top_k + j0 + u) : -1;
-        if (row[u] >= a.num_rows) row[u] = -1;
-      }
-#pragma unroll
-      for (int u = 0; u < kRowsPerTrip; ++u) {
-        if (row[u] >= 0) v[u] = __ldg(reinterpret_cast<const uint4*>(a.rows + row[u] * a.rows_stride) + c);
-      }
-#pragma unroll
-      for (int u = 0; u < kRowsPerTrip; ++u) {
-        if (row[u] >= 0) mc_add_bf16x8(acc, v[u]);
-      }
-    }
+    mc_sum_rows<kRowsPerTrip>(
+        acc, a.top_k,
+        [&](int j) {
+          int const row = __ldg(a.slot_to_row + t * a.top_k + j);
+          return row >= a.num_rows ? -1 : row;
+        },
+        [&](int row) { return __ldg(reinterpret_cast<const uint4*>(a.rows + row * a.rows_stride) + c); });
     uint4 const packed = mc_scaled_bf16x8(acc, a.routed_scaling_factor);
     *(reinterpret_cast<uint4*>(a.out + t * a.out_stride) + c) = packed;
   }
