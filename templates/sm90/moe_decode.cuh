@@ -37,9 +37,10 @@
 //     (cp.async.bulk.prefetch.L2, one per slab, up to 64 KB per CTA), so GEMM2's pipeline fills from
 //     L2 after the barrier. Timestamps showed the earlier version (256 KB per CTA, each slab split
 //     over the 32 lanes) holding the grid barrier 0.8-3.4 us after the last consumer; A/B of the
-//     layer (NOTES.md 2026-12-01 (11)): no prefetch is 2-5% slower at M = 1 and 2-3% faster at
-//     M = 2 than 256 KB in whole slabs, 64 KB is within 0.5% of the better one at every point, and
-//     prefetching before GEMM1 is 4-19% slower.
+//     layer (NOTES.md 2026-12-01 (11)): no prefetch is 2-3% slower at one token of qwen3 and
+//     gpt-oss and 1.4-3.3% faster at two tokens than 256 KB in whole slabs; 64 KB is within 0.5% of
+//     256 KB at one token and takes about half of no prefetch's gain at two to eight; prefetching
+//     before GEMM1 is up to 19% slower.
 //  6. Measured on an H200 (benchmarks/NOTES.md, 2026-12-01 one-launch section; A/B in one run,
 //     benchmarks/results/bench_20261201T011624Z.json): graph replay at M=1 qwen3 29.9 vs 32.0 us,
 //     gpt-oss 46.7 vs 49.8, dsv4-flash 57.3 vs 61.1, but dsv3 105.5 vs 87.9 and every shape slower
@@ -51,10 +52,11 @@
 //     weights) and 8-token items in 7 stages; against the four launches in one process, M=1 qwen3
 //     27.8 vs 35.9 us, gpt-oss 41.1 vs 49.9, dsv4-flash 51.6 vs 60.0, dsv3 94.7 vs 89.1; M=2 qwen3
 //     39.4 vs 42.4; M=16 1.45-1.48x the four launches' time. ncu at M=1: 15-25% of the warps wait
-//     at the grid barriers (uneven items per CTA), issue 0.28-0.37 per scheduler. With the two
-//     changes of items 2 and 5 (session 11): M=1 qwen3 25.6 us, gpt-oss 38.1, dsv4-flash 46.4, dsv3
-//     87.5 (four launches 35.6 / 49.0 / 58.1 / 91.6), qwen3 M=4 49.5 vs 53.4. ops.uses_fused takes
-//     this path where it measured faster. A claimed work order with per-expert counters in
+//     at the grid barriers (uneven items per CTA), issue 0.28-0.37 per scheduler. With items 2 and
+//     5 and the batched finalize loads (session 11): M=1 qwen3 24.4 us, gpt-oss 37.7, dsv4-flash
+//     46.0, dsv3 86.7 (four launches 35.5 / 50.2 / 59.7 / 88.3), qwen3 M=4 48.9 vs 53.8
+//     (benchmarks/results/raw/*_libk1_decode_finalize_batched.json). ops.uses_fused takes this path
+//     where it measured faster. A claimed work order with per-expert counters in
 //     place of the middle barrier measured 10-24% slower (one global counter's round trip per item
 //     on the producer's critical path). What it would take to win everywhere: the consumers on
 //     async RS-WGMMA with B from shared memory (the CUTLASS mainloop's two register sets), and K
