@@ -1,5 +1,5 @@
 """The fused MoE layer on an SM90 GPU: expand -> GEMM1 (+SwiGLU) -> GEMM2 (x routing weight) -> finalize
-(one- and two-token calls on small enough experts: all of it in one kernel launch, ops.uses_fused).
+(calls of up to four tokens on small enough experts: all of it in one kernel launch, ops.uses_fused).
 
 Everything runs on the current stream with sizes known only to the device (expert_offsets),
 so a call never waits for the GPU and can be captured in a CUDA graph. A call allocates nothing

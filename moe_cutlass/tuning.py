@@ -11,7 +11,7 @@ the mean re-streams the busy experts' weights). `autotune` measures instead:
     moe_cutlass.tuning.load("tiles.json")               # at start-up: fused_moe now uses it
 
 A table is keyed by the device name and (E, H, I, top_k); a call of M tokens takes the choice of
-the tuned batch size nearest M on a log scale. Calls that take the one-launch layer (one or two tokens,
+the tuned batch size nearest M on a log scale. Calls that take the one-launch layer (up to four tokens,
 ops.uses_fused) use no GEMM tile and are unaffected. Tuning runs the layer eagerly and synchronizes, so it
 refuses to run while a CUDA graph is being captured; calls with batch_invariant=True keep their own
 tiles. `clear()` returns to the built-in rule.
