@@ -12,7 +12,7 @@
 //     offsets, the active experts): no global pass, no expand kernel, no gather. GEMM1 reads the
 //     token rows straight from hidden_states. Up to 32 slots (the calls ops.uses_fused sends here)
 //     one warp does it in registers (match_any, 32 shuffles): per-phase timestamps put the
-//     shared-memory version at 3.0-3.6 us of a 22-45 us kernel at M = 1 (dependent shared-memory
+//     shared-memory version at 2.8-3.7 us of a 24-47 us kernel at M = 1 (dependent shared-memory
 //     round trips of one warp's scans), and the layer got 1.4-2.5 us faster without it
 //     (benchmarks/NOTES.md 2026-12-01 (11)).
 //  3. The GEMMs leave CUTLASS's collectives for a hand-written loop, because the CUTLASS
