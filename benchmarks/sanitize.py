@@ -67,14 +67,16 @@ def workload():
     mc.fused_moe(random_hidden(M, H, gen), experts, weights, ids.long(), expert_map=expert_map)
 
     # The one-launch layer (templates/sm90/moe_decode.cuh): one token (the default path), then 20
-    # rows on one expert (three token groups of up to 8 rows) with the thresholds lifted.
+    # and 40 rows on one expert (token groups of up to 8 rows) with the thresholds lifted: up to 32
+    # slots one warp routes them, above the shared-memory routing does.
     weights, ids = random_routing(1, E, k, gen)
     mc.fused_moe(random_hidden(1, H, gen), experts, weights, ids)
     fused_max = ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS
     ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS = 64, 1 << 62
     try:
-        weights, ids = random_routing(20, E, 1, gen)
-        mc.fused_moe(random_hidden(20, H, gen), experts, weights, torch.full_like(ids, 2))
+        for rows in (20, 40):
+            weights, ids = random_routing(rows, E, 1, gen)
+            mc.fused_moe(random_hidden(rows, H, gen), experts, weights, torch.full_like(ids, 2))
     finally:
         ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS = fused_max
 
