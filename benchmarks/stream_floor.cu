@@ -1,0 +1,98 @@
+// Benchmark only (benchmarks/stream_floor.py), not part of the library: the bare stream. One CTA
+// per SM reads its contiguous share of a buffer into a 7-stage shared-memory ring, one 16 KB bulk
+// copy per stage (as the one-launch layer's producer streams weights, templates/sm90/moe_decode.cuh),
+// and does nothing with it: the shortest time one kernel takes to read that many bytes here.
+// With `checksum` non-null the consumer also adds up every 32-bit word it received (the test's proof
+// that the stream covers the buffer exactly once; the benchmark passes null).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int kChunk = 16384;
+constexpr int kStages = 7;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+__global__ void __launch_bounds__(64, 1) stream_kernel(const uint8_t* src, long long bytes, unsigned long long* checksum) {
+  extern __shared__ __align__(128) uint8_t ring[];
+  __shared__ alignas(8) uint64_t full[kStages], empty[kStages];
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[s])));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&empty[s])));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  long long const per_cta = (bytes / gridDim.x + 15) / 16 * 16;
+  long long const begin = min(bytes, per_cta * blockIdx.x), end = min(bytes, begin + per_cta);
+  int const n = int((end - begin + kChunk - 1) / kChunk);
+  int const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp == 0) {
+    if (lane != 0) return;
+    for (int i = 0; i < n; ++i) {
+      int const s = i % kStages;
+      if (i >= kStages) mbar_wait(&empty[s], (i / kStages - 1) & 1);
+      long long const pos = begin + int64_t(i) * kChunk;
+      uint32_t const size = uint32_t(min(end - pos, static_cast<long long>(kChunk)));
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&full[s])), "r"(size)
+                   : "memory");
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+              smem_addr(ring + s * kChunk)),
+          "l"(src + pos), "r"(size), "r"(smem_addr(&full[s]))
+          : "memory");
+    }
+    return;
+  }
+  unsigned long long sum = 0;
+  for (int i = 0; i < n; ++i) {
+    int const s = i % kStages;
+    mbar_wait(&full[s], (i / kStages) & 1);
+    if (checksum != nullptr) {
+      long long const pos = begin + int64_t(i) * kChunk;
+      int const words = int(min(end - pos, static_cast<long long>(kChunk))) / 4;
+      uint32_t const* w = reinterpret_cast<uint32_t const*>(ring + s * kChunk);
+      for (int j = lane; j < words; j += 32) sum += w[j];
+    }
+    __syncwarp();
+    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(&empty[s])) : "memory");
+  }
+  if (checksum != nullptr) atomicAdd(checksum, sum);
+}
+
+}  // namespace
+
+// Once per process and device, outside CUDA-graph capture: the ring's shared-memory opt-in.
+extern "C" int mc_bench_stream_init(void) {
+  return int(cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStages * kChunk));
+}
+
+// Reads bytes (a multiple of 16) from src (16-byte aligned) on `stream` with one CTA per SM of the
+// current device. Returns a cudaError_t value.
+extern "C" int mc_bench_stream(const void* src, long long bytes, unsigned long long* checksum, cudaStream_t stream) {
+  if (src == nullptr || bytes < 0 || bytes % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) {
+    return int(cudaErrorInvalidValue);
+  }
+  int dev = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return int(err);
+  stream_kernel<<<sms, 64, kStages * kChunk, stream>>>(static_cast<const uint8_t*>(src), bytes, checksum);
+  return int(cudaGetLastError());
+}
