@@ -14,7 +14,7 @@ replay, L2 flushed before each rep, median):
                   a layer reads its weights in two dependent phases;
   copy            a device copy moving as many bytes (half read, half written: the floor's method).
 Writes a "bench" record (rows as bench_moe's, relerr null) with the floors measured in the same run.
-The stream kernel is built here with nvcc (codegen's toolchain) into build/stream_floor/.
+The stream kernel is built here with nvcc (no CUTLASS needed) into build/stream_floor/.
 """
 import argparse
 import ctypes
@@ -29,7 +29,7 @@ import moe_cutlass as mc
 from benchmarks.bench_moe import CONFIGS, Timer, floor_us, graph_of, measure_floors, random_batch, random_experts
 from benchmarks.record import record_main
 from codegen.configs import ARCH_FLAGS
-from codegen.toolchain import detect
+from codegen.toolchain import compiler
 
 SOURCE = Path(__file__).resolve().parent / "stream_floor.cu"
 BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "stream_floor"
@@ -38,14 +38,14 @@ DECODE_TOKENS = (1, 4, 16, 64)
 
 def build_library(arch="sm90") -> Path:
     """The stream kernel's shared library, rebuilt when the source or the compiler changes."""
-    toolchain = detect()
+    nvcc, version = compiler()
     text = SOURCE.read_text()
-    key = hashlib.sha256((text + toolchain.nvcc_version + arch).encode()).hexdigest()[:16]
+    key = hashlib.sha256((text + version + arch).encode()).hexdigest()[:16]
     path = BUILD_DIR / f"libstream_floor.{key}.so"
     if not path.exists():
         BUILD_DIR.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        cmd = [toolchain.nvcc, "-std=c++17", "-O3", *ARCH_FLAGS[arch], "-Xcompiler", "-fPIC", "-shared",
+        cmd = [nvcc, "-std=c++17", "-O3", *ARCH_FLAGS[arch], "-Xcompiler", "-fPIC", "-shared",
                "-cudart", "static", "-o", str(tmp), str(SOURCE)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:

@@ -60,7 +60,13 @@ def cutlass_includes() -> tuple:
 
 
 @functools.lru_cache(maxsize=1)
-def detect() -> Toolchain:
+def compiler() -> tuple:
+    """(path, full `nvcc --version` text) of nvcc alone, for builds without CUTLASS (benchmarks/stream_floor.py)."""
     nvcc = _find_nvcc()
-    version = subprocess.run([nvcc, "--version"], check=True, capture_output=True, text=True).stdout
+    return nvcc, subprocess.run([nvcc, "--version"], check=True, capture_output=True, text=True).stdout
+
+
+@functools.lru_cache(maxsize=1)
+def detect() -> Toolchain:
+    nvcc, version = compiler()
     return Toolchain(nvcc, version, _find_cuobjdump(nvcc), cutlass_includes())
