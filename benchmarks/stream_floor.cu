@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(64, 1) stream_kernel(const uint8_t* src, long 
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  long long const per_cta = (bytes / gridDim.x + 15) / 16 * 16;
+  long long const per_cta = (bytes + 16LL * gridDim.x - 1) / (16LL * gridDim.x) * 16;   // 16-byte pieces, rounded up
   long long const begin = min(bytes, per_cta * blockIdx.x), end = min(bytes, begin + per_cta);
   int const n = int((end - begin + kChunk - 1) / kChunk);
   int const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
