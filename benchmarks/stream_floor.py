@@ -12,9 +12,7 @@ replay, L2 flushed before each rep, median):
                   contiguous buffer, one CTA per SM, with no work on them;
   bare_stream_x2  the same bytes in two such launches, GEMM1's share (2/3 of the weights) then GEMM2's:
                   a layer reads its weights in two dependent phases;
-  copy            a device copy moving as many bytes (half read, half written: the floor's method);
-  sum             torch's int32 sum over the same bytes: a read by every SM's warps with vector loads
-                  (several CTAs per SM, no shared memory), the other way to stream.
+  copy            a device copy moving as many bytes (half read, half written: the floor's method).
 Writes a "bench" record (rows as bench_moe's, relerr null) with the floors measured in the same run.
 The stream kernel is built here with nvcc (no CUTLASS needed) into build/stream_floor/.
 """
@@ -118,14 +116,12 @@ def run(args):
             src = torch.empty(first + second + total, dtype=torch.uint8, device="cuda").random_(generator=gen)
             half = torch.empty(total // 2, dtype=torch.uint8, device="cuda")
             out = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
-            words, acc = src[:total].view(torch.int32), torch.empty((), dtype=torch.int64, device="cuda")
             cases = {
                 "moe_cutlass": lambda: mc.fused_moe(x, experts, w, ids, out=out),
                 "bare_stream": lambda: stream(src, total),
                 # GEMM2's share from memory GEMM1's did not read (as in the layer: other matrices)
                 "bare_stream_x2": lambda: (stream(src, first), stream(src[total:], second)),
                 "copy": lambda: half.copy_(src[:total // 2]),
-                "sum": lambda: torch.sum(words, dim=0, out=acc),
             }
             for impl, fn in cases.items():
                 us = timer.median_us(graph_of(fn).replay)
@@ -133,7 +129,7 @@ def run(args):
                              "relerr": None, "bytes": total})
                 print(f"{name:14s} M={M:3d} {impl:15s} {us:8.1f} us  floor {floor:7.1f} us  x{us / floor:5.2f}  "
                       f"({total / 1e6:.1f} MB, {total / (us * 1e-6) / 1e12:.2f} TB/s)", flush=True)
-            del src, half, words
+            del src, half
         del experts
         torch.cuda.empty_cache()
     ratios = [r["us"] / s["us"] for r in rows if r["impl"] == "moe_cutlass"
