@@ -1,5 +1,5 @@
 // Benchmark only (benchmarks/stream_floor.py), not part of the library: the bare stream. One CTA
-// per SM reads its contiguous share of a buffer into a 7-stage shared-memory ring, one 16 KB bulk
+// per SM reads its contiguous share of a buffer into the layer's 7-stage shared-memory ring, one 16 KB bulk
 // copy per stage (as the one-launch layer's producer streams weights, templates/sm90/moe_decode.cuh),
 // and does nothing with it: the shortest time one kernel takes to read that many bytes here.
 // With `checksum` non-null the consumer also adds up every 32-bit word it received (the test's proof
@@ -8,33 +8,21 @@
 
 #include <cstdint>
 
+#include "moe_decode.cuh"   // the one-launch layer's ring helpers (mbarrier, bulk copy), so the same PTX
+
 namespace {
 
-constexpr int kChunk = 16384;
-constexpr int kStages = 7;
+using namespace moe_cutlass::decode;
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT_%=;\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
+constexpr int kChunk = kChunkUnits * 2048;   // one stage of the layer's weights (16 KB); kStages stages
 
 __global__ void __launch_bounds__(64, 1) stream_kernel(const uint8_t* src, long long bytes, unsigned long long* checksum) {
   extern __shared__ __align__(128) uint8_t ring[];
   __shared__ alignas(8) uint64_t full[kStages], empty[kStages];
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[s])));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&empty[s])));
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -50,13 +38,8 @@ __global__ void __launch_bounds__(64, 1) stream_kernel(const uint8_t* src, long 
       if (i >= kStages) mbar_wait(&empty[s], (i / kStages - 1) & 1);
       long long const pos = begin + int64_t(i) * kChunk;
       uint32_t const size = uint32_t(min(end - pos, static_cast<long long>(kChunk)));
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&full[s])), "r"(size)
-                   : "memory");
-      asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-              smem_addr(ring + s * kChunk)),
-          "l"(src + pos), "r"(size), "r"(smem_addr(&full[s]))
-          : "memory");
+      mbar_expect_tx(&full[s], size);
+      bulk_copy(ring + s * kChunk, src + pos, size, &full[s]);
     }
     return;
   }
@@ -71,12 +54,14 @@ __global__ void __launch_bounds__(64, 1) stream_kernel(const uint8_t* src, long 
       for (int j = lane; j < words; j += 32) sum += w[j];
     }
     __syncwarp();
-    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(&empty[s])) : "memory");
+    if (lane == 0) mbar_arrive(&empty[s]);
   }
   if (checksum != nullptr) atomicAdd(checksum, sum);
 }
 
 }  // namespace
+
+using moe_cutlass::decode::kStages;
 
 // Once per process and device, outside CUDA-graph capture: the ring's shared-memory opt-in.
 extern "C" int mc_bench_stream_init(void) {

@@ -33,19 +33,20 @@ from codegen.toolchain import compiler
 
 SOURCE = Path(__file__).resolve().parent / "stream_floor.cu"
 BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "stream_floor"
+HELPERS = Path(__file__).resolve().parent.parent / "templates" / "sm90"   # moe_decode.cuh and what it includes
 DECODE_TOKENS = (1, 4, 16, 64)
 
 
 def build_library(arch="sm90") -> Path:
     """The stream kernel's shared library, rebuilt when the source or the compiler changes."""
     nvcc, version = compiler()
-    text = SOURCE.read_text()
+    text = SOURCE.read_text() + (HELPERS / "moe_decode.cuh").read_text()
     key = hashlib.sha256((text + version + arch).encode()).hexdigest()[:16]
     path = BUILD_DIR / f"libstream_floor.{key}.so"
     if not path.exists():
         BUILD_DIR.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        cmd = [nvcc, "-std=c++17", "-O3", *ARCH_FLAGS[arch], "-Xcompiler", "-fPIC", "-shared",
+        cmd = [nvcc, "-std=c++17", "-O3", *ARCH_FLAGS[arch], f"-I{HELPERS}", "-Xcompiler", "-fPIC", "-shared",
                "-cudart", "static", "-o", str(tmp), str(SOURCE)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
@@ -102,10 +103,7 @@ def parse_args(argv=None):
 def run(args):
     stream = Stream(build_library())
     timer = Timer(args.reps)
-    floors = measure_floors(timer)
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(0)
-    rows = []
+    floors, gen, rows = measure_floors(timer), torch.Generator(device="cuda").manual_seed(0), []
     for name in args.configs.split(","):
         E, H, I, k = CONFIGS[name]
         experts = random_experts(E, H, I, gen)
