@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device-machine session: GPU tests, the fuzzer, the soak, the layer benchmark and a per-kernel profile, each
+# One device-machine session: GPU tests, the fuzzer, the soak, the layer benchmark, a per-kernel profile and the
+# bare-stream floor (benchmarks/stream_floor.py, built here with nvcc), each
 # writing its record (and log) into OUT. Run from the repository root of a tree whose
 # build/sm90 holds the built library; wheels for packages the machine lacks (cuda-python) in
 # WHEELS. Copy the records from OUT into benchmarks/results/ afterwards.
@@ -24,4 +25,5 @@ timeout 90 python3 -m benchmarks.bench_gemm --out-dir "$OUT" --shapes gptoss_dec
   > "$OUT/bench_gemm.log" 2>&1 || status=1
 timeout 60 python3 -m benchmarks.profile_stages --out-dir "$OUT" --configs qwen3-30b-a3b,dsv3 --ms 1,64,1024,4096 \
   > "$OUT/profile.log" 2>&1 || status=1
+timeout 90 python3 -m benchmarks.stream_floor --out-dir "$OUT" > "$OUT/stream_floor.log" 2>&1 || status=1
 exit $status
