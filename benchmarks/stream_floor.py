@@ -3,8 +3,8 @@
 usage: python -m benchmarks.stream_floor [--configs a,b] [--ms 1,4,16,64] [--reps 100] [--out-dir DIR]
 
 The layer's floor (DESIGN.md 5) divides the active experts' MXFP4 bytes by the copy rate of a 1 GB
-copy. At decode sizes (9-190 MB) no kernel reaches that rate: the stream's start and end cost
-microseconds. For each shape and M this times, in one run and as the layer benchmark does (CUDA-graph
+copy. A short read does not reach that rate (at one token the weights are 20-190 MB): its start and
+end cost microseconds. For each shape and M this times, in one run and as the layer benchmark does (CUDA-graph
 replay, L2 flushed before each rep, median):
   moe_cutlass     fused_moe, the layer itself;
   bare_stream     benchmarks/stream_floor.cu reading the same bytes (the floor's bytes: the active
@@ -33,14 +33,14 @@ from codegen.toolchain import compiler
 
 SOURCE = Path(__file__).resolve().parent / "stream_floor.cu"
 BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "stream_floor"
-HELPERS = Path(__file__).resolve().parent.parent / "templates" / "sm90"   # moe_decode.cuh and what it includes
+HELPERS = Path(__file__).resolve().parent.parent / "templates" / "sm90"   # moe_decode.cuh and its headers
 DECODE_TOKENS = (1, 4, 16, 64)
 
 
 def build_library(arch="sm90") -> Path:
     """The stream kernel's shared library, rebuilt when the source or the compiler changes."""
     nvcc, version = compiler()
-    text = SOURCE.read_text() + (HELPERS / "moe_decode.cuh").read_text()
+    text = "".join(f.read_text() for f in [SOURCE, *sorted(HELPERS.glob("*.cuh")), *sorted(HELPERS.glob("*.h"))])
     key = hashlib.sha256((text + version + arch).encode()).hexdigest()[:16]
     path = BUILD_DIR / f"libstream_floor.{key}.so"
     if not path.exists():
