@@ -104,12 +104,17 @@ def random_batch(M, E, H, k, gen):
     return (x, *random_routing(M, E, k, gen))
 
 
+def floor_bytes(M, E, H, I, ids):
+    """(GEMM1's weight bytes, GEMM2's, the activations in and out) that the floor counts: the active
+    experts' MXFP4 weights at 4.25 bits per weight, the bf16 tokens read and the output written."""
+    active = int(torch.unique(ids[(ids >= 0) & (ids < E)]).numel())
+    per_weight = 0.5 + 1 / 32
+    return active * 2 * H * I * per_weight, active * H * I * per_weight, 2 * M * H * 2
+
+
 def floor_us(M, E, H, I, k, ids, floors):
-    active = int(torch.unique(ids).numel())
-    weight_bytes = active * 3 * H * I * (0.5 + 1 / 32)
-    act_bytes = 2 * M * H * 2
     flops = 2.0 * M * k * 3 * H * I
-    return max((weight_bytes + act_bytes) / floors["hbm_bytes_per_s"],
+    return max(sum(floor_bytes(M, E, H, I, ids)) / floors["hbm_bytes_per_s"],
                flops / floors["bf16_flops_per_s"]) * 1e6
 
 

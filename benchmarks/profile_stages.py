@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 import moe_cutlass as mc
 from moe_cutlass import _gemm, ops
 from benchmarks.ab_tiles import one_tile, split_tiles
-from benchmarks.bench_moe import CONFIGS, Timer, measure_floors, random_batch, random_experts
+from benchmarks.bench_moe import CONFIGS, Timer, floor_bytes, measure_floors, random_batch, random_experts
 from benchmarks.record import write_record
 
 
@@ -54,9 +54,9 @@ def _short_name(kernel):
 def gemm_tbps(times, ids, E, H, I):
     """TB/s of each GEMM (and of the one-launch layer, both GEMMs' weights): its active experts'
     MXFP4 weight bytes over its device time."""
-    active = ids[(ids >= 0) & (ids < E)].unique().numel()
-    weight_bytes = {"GEMM1": 2 * I * H * 4.25 / 8, "GEMM2": H * I * 4.25 / 8, "LAYER": 3 * H * I * 4.25 / 8}
-    return {g: active * b / (times[g] * 1e-6) / 1e12 for g, b in weight_bytes.items() if times.get(g)}
+    w1, w2, _ = floor_bytes(0, E, H, I, ids)
+    weight_bytes = {"GEMM1": w1, "GEMM2": w2, "LAYER": w1 + w2}
+    return {g: b / (times[g] * 1e-6) / 1e12 for g, b in weight_bytes.items() if times.get(g)}
 
 
 def gemm_tflops(times, ids, E, H, I):

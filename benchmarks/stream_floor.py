@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 import moe_cutlass as mc
-from benchmarks.bench_moe import CONFIGS, Timer, floor_us, graph_of, measure_floors, random_batch, random_experts
+from benchmarks.bench_moe import (CONFIGS, Timer, floor_bytes, floor_us, graph_of, measure_floors, random_batch,
+                                  random_experts)
 from benchmarks.record import record_main
 from codegen.configs import ARCH_FLAGS
 from codegen.toolchain import compiler
@@ -83,11 +84,8 @@ def round16(n: float) -> int:
 
 
 def stream_bytes(M, E, H, I, ids):
-    """(all bytes, GEMM1's share, GEMM2's share) that the floor counts for this routing: the active
-    experts' MXFP4 weights (4.25 bits per weight) plus the activations in and out (bench_moe.floor_us)."""
-    active = int(torch.unique(ids[(ids >= 0) & (ids < E)]).numel())
-    act = 2 * M * H * 2
-    w1, w2 = active * 2 * H * I * 4.25 / 8, active * H * I * 4.25 / 8
+    """(all bytes, GEMM1's share, GEMM2's share) of bench_moe.floor_bytes, in whole 16-byte pieces."""
+    w1, w2, act = floor_bytes(M, E, H, I, ids)
     return round16(w1 + w2 + act), round16(w1 + act / 2), round16(w2 + act / 2)
 
 
