@@ -202,9 +202,14 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-// The four K-slice warps of one row block rb, through named barriers 2 + rb (partials written) and
-// 6 + rb (partials read), 128 threads each: writers arrive without waiting, the item's reducer waits.
+// The four K-slice warps of one row block rb, through named barriers of 128 threads: 2 + rb, the
+// partials of an item written (writers arrive without waiting, the item's reducer waits); 6 + rb and
+// 10 + rb by item parity, the partials read (the reducer arrives, the others wait before writing the
+// next item's). Two read barriers: the reducer of item n does not wait on item n's read barrier, so
+// it can run an item ahead of a slow warp and reach item n + 1's read barrier while item n's is still
+// open; on one barrier its arrival would count for item n (a hang, seen on the H200).
 constexpr int kSliceThreads = kSlices * 32;
+__device__ __forceinline__ int read_barrier(int rb, int item) { return 6 + 4 * (item & 1) + rb; }
 __device__ __forceinline__ void slices_arrive(int id) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(kSliceThreads) : "memory");
 }
@@ -560,7 +565,7 @@ __device__ void consume(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int&
                          (acc4[0][2] + acc4[1][2]) + (acc4[2][2] + acc4[3][2]),
                          (acc4[0][3] + acc4[1][3]) + (acc4[2][3] + acc4[3][3])};
     // red is free once the previous item's reducer has read it (it does not wait for itself).
-    if (seq > 0 && (seq - 1) % kSlices != slice) slices_sync(6 + rb);
+    if (seq > 0 && (seq - 1) % kSlices != slice) slices_sync(read_barrier(rb, seq - 1));
     ++seq;
     *reinterpret_cast<float4*>(sm.red[slice][rb][lane]) = part;
     if (!reducer) {
@@ -576,7 +581,7 @@ __device__ void consume(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int&
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[j] += sm.red[s][rb][lane][j];
     }
-    slices_arrive(6 + rb);
+    slices_arrive(read_barrier(rb, seq - 1));
     const float* bias = G.bias ? G.bias + int64_t(it.e) * G.n_pad : nullptr;
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
@@ -607,7 +612,7 @@ __device__ void consume(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int&
 // The last item's read-done barrier, completed before the kernel ends (its reducer only arrived).
 __device__ __forceinline__ void slices_drain(int seq) {
   int const rb = (threadIdx.x / 32) & 3, slice = threadIdx.x / 32 >> 2;
-  if (seq > 0 && (seq - 1) % kSlices != slice) slices_sync(6 + rb);
+  if (seq > 0 && (seq - 1) % kSlices != slice) slices_sync(read_barrier(rb, seq - 1));
 }
 
 // ---- finalize --------------------------------------------------------------------------------
