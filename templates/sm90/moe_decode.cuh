@@ -137,7 +137,6 @@ struct Routing {
   int slot_expert[kMaxSlots];
   int slot_row[kMaxSlots];      // rank within the expert, then the row (-1: dropped)
   int row_slot[kMaxSlots];
-  float row_weight[kMaxSlots];  // the routing weight of each row, for GEMM2's epilogue
   int count[kMaxExperts];
   int offset[kMaxExperts];
   int active[kMaxSlots];        // experts with rows, ascending
@@ -147,7 +146,7 @@ struct Routing {
 
 struct Smem {
   alignas(128) uint8_t stages[kStages][kStageBytes];
-  float red[kSlices][4][32][4];   // K-slice partial sums [slice][row block][lane]
+  float red[2][kSlices - 1][4][32][4];   // K-slice partial sums, double buffered by item parity
   alignas(8) uint64_t full[kStages];
   alignas(8) uint64_t empty[kStages];
   Routing r;
@@ -202,19 +201,9 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-// The four K-slice warps of one row block rb, through named barriers of 128 threads: 2 + rb, the
-// partials of an item written (writers arrive without waiting, the item's reducer waits); 6 + rb and
-// 10 + rb by item parity, the partials read (the reducer arrives, the others wait before writing the
-// next item's). Two read barriers: the reducer of item n does not wait on item n's read barrier, so
-// it can run an item ahead of a slow warp and reach item n + 1's read barrier while item n's is still
-// open; on one barrier its arrival would count for item n (a hang, seen on the H200).
-constexpr int kSliceThreads = kSlices * 32;
-__device__ __forceinline__ int read_barrier(int rb, int item) { return 6 + 4 * (item & 1) + rb; }
-__device__ __forceinline__ void slices_arrive(int id) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(kSliceThreads) : "memory");
-}
-__device__ __forceinline__ void slices_sync(int id) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(kSliceThreads) : "memory");
+// Consumer warps only (the producer runs ahead through the ring).
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32) : "memory");
 }
 
 // ---- routing in shared memory -----------------------------------------------------------------
@@ -256,7 +245,6 @@ template <typename IdT>
 __device__ void route_warp(const Args& a, Routing& r, int slots) {
   int const lane = threadIdx.x;
   int const e = lane < slots ? local_expert<IdT>(a, lane) : -1;
-  float const weight = lane < slots ? a.topk_weights[lane] : 0.f;
   int const key = e >= 0 ? e : INT_MAX;   // dropped slots and idle lanes sort after every expert
   unsigned const lt = (1u << lane) - 1u;
   unsigned const peers = __match_any_sync(0xffffffffu, key);
@@ -278,10 +266,7 @@ __device__ void route_warp(const Args& a, Routing& r, int slots) {
   if (lane < slots) {
     int const row = e >= 0 ? offset + rank : -1;
     r.slot_row[lane] = row;
-    if (row >= 0) {
-      r.row_slot[row] = lane;
-      r.row_weight[row] = weight;
-    }
+    if (row >= 0) r.row_slot[row] = lane;
   }
   if (leader) {
     r.count[e] = count;
@@ -348,10 +333,7 @@ __device__ void route(const Args& a, Routing& r) {
     int const e = r.slot_expert[s];
     int const row = e >= 0 ? r.offset[e] + r.slot_row[s] : -1;
     r.slot_row[s] = row;
-    if (row >= 0) {
-      r.row_slot[row] = s;
-      r.row_weight[row] = a.topk_weights[s];
-    }
+    if (row >= 0) r.row_slot[row] = s;
   }
   __syncthreads();
 }
@@ -541,11 +523,8 @@ __device__ __forceinline__ void item_mma_dispatch(const Gemm& G, Smem& sm, Ring&
   }
 }
 
-// Item n of this CTA's sequence (over both GEMMs) is reduced by K slice n % kSlices: the epilogue's
-// latency (its loads, the activation, the stores) moves around the four warps of a row block, and
-// the other three go on to the next item instead of waiting at a barrier of all sixteen consumers.
 template <int Kind>
-__device__ void consume(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int& seq) {
+__device__ void consume(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int& parity) {
   int const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int const rb = warp & 3, slice = warp >> 2;
   int const gq = lane / 4, cq = lane % 4;
@@ -554,34 +533,29 @@ __device__ void consume(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int&
   cta_range(total, &begin, &end);
   for (int i = begin; i < end; ++i) {
     Item const it = item_at(sm.r, G.items_per_group(), i);
-    bool const reducer = seq % kSlices == slice;
-    // accumulator (m16n8): c0,c1 row gq, tokens 2cq, 2cq+1; c2,c3 row gq + 8
-    int const m = it.q * kItemRows + rb * 16 + gq;   // weight row (prepared order)
     // one accumulator chain per k-block of a unit: mma.sync's latency is not serialised
     float acc4[4][4] = {};
     item_mma_dispatch(G, sm, ring, rb, slice, acc4);
-    float4 const part = {(acc4[0][0] + acc4[1][0]) + (acc4[2][0] + acc4[3][0]),
-                         (acc4[0][1] + acc4[1][1]) + (acc4[2][1] + acc4[3][1]),
-                         (acc4[0][2] + acc4[1][2]) + (acc4[2][2] + acc4[3][2]),
-                         (acc4[0][3] + acc4[1][3]) + (acc4[2][3] + acc4[3][3])};
-    // red is free once the previous item's reducer has read it (it does not wait for itself).
-    if (seq > 0 && (seq - 1) % kSlices != slice) slices_sync(read_barrier(rb, seq - 1));
-    ++seq;
-    *reinterpret_cast<float4*>(sm.red[slice][rb][lane]) = part;
-    if (!reducer) {
-      slices_arrive(2 + rb);
-      continue;
-    }
-    slices_sync(2 + rb);
     float acc[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[j] = sm.red[0][rb][lane][j];
+    for (int j = 0; j < 4; ++j) acc[j] = (acc4[0][j] + acc4[1][j]) + (acc4[2][j] + acc4[3][j]);
+    // K slices 1.. hand their sums to slice 0, which adds them in slice order.
+    if (slice > 0) {
+      float* dst = sm.red[parity][slice - 1][rb][lane];
 #pragma unroll
-    for (int s = 1; s < kSlices; ++s) {   // slice order, whichever warp reduces
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[j] += sm.red[s][rb][lane][j];
+      for (int j = 0; j < 4; ++j) dst[j] = acc[j];
     }
-    slices_arrive(read_barrier(rb, seq - 1));
+    consumers_sync();
+    parity ^= 1;
+    if (slice > 0) continue;
+#pragma unroll
+    for (int s = 0; s < kSlices - 1; ++s) {
+      float const* src = sm.red[parity ^ 1][s][rb][lane];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[j] += src[j];
+    }
+    // accumulator (m16n8): c0,c1 row gq, tokens 2cq, 2cq+1; c2,c3 row gq + 8
+    int const m = it.q * kItemRows + rb * 16 + gq;   // weight row (prepared order)
     const float* bias = G.bias ? G.bias + int64_t(it.e) * G.n_pad : nullptr;
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
@@ -595,7 +569,7 @@ __device__ void consume(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int&
         if (bias) { g += bias[m]; u += bias[m + 8]; }
         if (col < a.I) a.inter[row * a.I + col] = __float2bfloat16_rn(mc_activation(g, u, a.activation, a.alpha, a.limit));
       } else {
-        float const w = sm.r.row_weight[row];
+        float const w = a.topk_weights[sm.r.row_slot[row]];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           int const mm = m + 8 * h;
@@ -607,12 +581,6 @@ __device__ void consume(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int&
       }
     }
   }
-}
-
-// The last item's read-done barrier, completed before the kernel ends (its reducer only arrived).
-__device__ __forceinline__ void slices_drain(int seq) {
-  int const rb = (threadIdx.x / 32) & 3, slice = threadIdx.x / 32 >> 2;
-  if (seq > 0 && (seq - 1) % kSlices != slice) slices_sync(read_barrier(rb, seq - 1));
 }
 
 // ---- finalize --------------------------------------------------------------------------------
@@ -659,20 +627,19 @@ __global__ void __launch_bounds__(kThreads, 1) layer_kernel(Args a) {
   Gemm const g2{a.w2_blocks, a.w2_scales, a.w2_bias, a.w2_slow,
                 a.H, (a.H + kRowPad - 1) / kRowPad * kRowPad, a.I, (a.I + kKPad - 1) / kKPad * kKPad};
   Ring ring;
-  int seq = 0;   // consumer items so far
+  int parity = 0;
   bool const producer = threadIdx.x / 32 == kConsumerWarps;
   if (producer) {
     produce<1>(a, g1, sm, ring);
     prefetch_gemm2(g2, sm.r);
   } else {
-    consume<1>(a, g1, sm, ring, seq);
+    consume<1>(a, g1, sm, ring, parity);
   }
   phase_barrier();
   if (producer) {
     produce<2>(a, g2, sm, ring);
   } else {
-    consume<2>(a, g2, sm, ring, seq);
-    slices_drain(seq);
+    consume<2>(a, g2, sm, ring, parity);
   }
   phase_barrier();
   finalize(a, sm.r);
