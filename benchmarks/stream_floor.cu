@@ -14,7 +14,11 @@ namespace {
 
 using namespace moe_cutlass::decode;
 
-constexpr int kChunk = kChunkUnits * 2048;   // one stage of the layer's weights (16 KB); kStages stages
+// The ring of the one-launch kernel for the smallest calls (moe_decode_k512, codegen/configs.py):
+// one stage of its weights is 16 KB, kStages stages.
+using LayerRing = RingShape<8, 7>;
+constexpr int kStages = LayerRing::kStages;
+constexpr int kChunk = LayerRing::kStageA;
 
 __global__ void __launch_bounds__(64, 1) stream_kernel(const uint8_t* src, long long bytes, unsigned long long* checksum) {
   extern __shared__ __align__(128) uint8_t ring[];
@@ -61,7 +65,6 @@ __global__ void __launch_bounds__(64, 1) stream_kernel(const uint8_t* src, long 
 
 }  // namespace
 
-using moe_cutlass::decode::kStages;
 
 // Once per process and device, outside CUDA-graph capture: the ring's shared-memory opt-in.
 extern "C" int mc_bench_stream_init(void) {

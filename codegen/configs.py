@@ -56,7 +56,17 @@ def _gemm_configs(tiles) -> list:
             for m, n, k in tiles for kind in (1, 2)]
 
 
+# The one-launch layer (templates/sm90/moe_decode.cuh), one kernel per shared-memory ring: stages of
+# chunk_units 64-K units (K 512 or 1024 per stage). moe_cutlass.ops.fused_kernel picks per call.
+SM90_DECODE_RINGS = ((8, 7), (16, 4))
+
+
+def _decode_configs(rings) -> list:
+    return [KernelConfig(f"moe_decode_k{64 * units}", "moe_decode.cu.j2", {"chunk_units": units, "stages": stages})
+            for units, stages in rings]
+
+
 KERNELS = {
-    "sm90": [KernelConfig("routing", "routing.cu.j2"), KernelConfig("moe_decode", "moe_decode.cu.j2"),
+    "sm90": [KernelConfig("routing", "routing.cu.j2"), *_decode_configs(SM90_DECODE_RINGS),
              *_gemm_configs(SM90_GEMM_TILES)],
 }

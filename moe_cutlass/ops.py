@@ -195,7 +195,12 @@ assert [getattr(LayerCall, f).offset for f, _ in LayerCall._fields_[:8]] == list
 # on gpt-oss (133M, +4%), at two on dsv3 (235M, +15%) and at eight on qwen3 (101M, +28%).
 FUSED_MAX_TOKENS = 4
 FUSED_MAX_WEIGHTS = 120 << 20
-FUSED_KERNEL = "moe_decode"
+# Its shared-memory ring (codegen/configs.py SM90_DECODE_RINGS, one kernel each): 4 stages of K 1024
+# from FUSED_WIDE_MIN_WEIGHTS weights (M * top_k * H * I) on, 7 stages of K 512 below. Half as many
+# stage hand-offs per byte; with one or two items per CTA the deeper ring of smaller stages fills
+# sooner (benchmarks/NOTES.md 2026-12-01 (13)).
+FUSED_KERNELS = ("moe_decode_k512", "moe_decode_k1024")
+FUSED_WIDE_MIN_WEIGHTS = 30 << 20
 
 # GEMM1, GEMM2 and finalize as programmatic dependent launches (templates/sm90/pdl.cuh): each
 # kernel's CTAs start on the SMs the kernel before leaves free, and GEMM2 loads its first weights
@@ -217,15 +222,20 @@ class _Gemms(NamedTuple):
 
 @functools.lru_cache(maxsize=1)
 def fused_max_slots() -> int:
-    """Slots (M * top_k) the one-launch layer takes; 0 if the built library lacks it."""
+    """Slots (M * top_k) the one-launch layer takes; 0 if the built library lacks one of its kernels."""
     lib = _lib.library()
-    if FUSED_KERNEL not in lib.kernels:
+    if not all(name in lib.kernels for name in FUSED_KERNELS):
         return 0
-    return int(lib.function(f"mc_sm90_{FUSED_KERNEL}_max_slots")())
+    return min(int(lib.function(f"mc_sm90_{name}_max_slots")()) for name in FUSED_KERNELS)
+
+
+def fused_kernel(num_tokens: int, top_k: int, hidden_size: int, intermediate_size: int) -> str:
+    """The one-launch kernel (its ring) for a call that uses_fused."""
+    return FUSED_KERNELS[num_tokens * top_k * hidden_size * intermediate_size >= FUSED_WIDE_MIN_WEIGHTS]
 
 
 @functools.lru_cache(maxsize=1024)
-def _gemms(slots: int, E: int, batch_invariant: bool, fused: bool, ids_int64: bool, tuned, pdl: bool) -> _Gemms:
+def _gemms(slots: int, E: int, batch_invariant: bool, fused, ids_int64: bool, tuned, pdl: bool) -> _Gemms:
     # The GEMM tiles follow the rows per expert, which the host knows only on average (slots / E):
     # _gemm.plan's parts let the device place each expert's rows. A shape that moe_cutlass.tuning
     # measured (tuned: the two config names, or _gemm.PLAN for the rule) runs them as one launch each.
@@ -239,7 +249,7 @@ def _gemms(slots: int, E: int, batch_invariant: bool, fused: bool, ids_int64: bo
         plan.gemm1[i], plan.gemm2[i] = (ctypes.cast(lib.function(f"mc_sm90_{c}"), ctypes.c_void_p).value
                                         for c in (config1, config2))
         plan.rem_lo[i], plan.rem_hi[i] = lo, hi
-    fused_name = f"mc_sm90_{FUSED_KERNEL}"
+    fused_name = f"mc_sm90_{fused or FUSED_KERNELS[0]}"   # fused: the one-launch kernel's name, or None
     fused_address = ctypes.cast(lib.function(fused_name), ctypes.c_void_p).value if fused else 0
     expand = "mc_expand_i64" if ids_int64 else "mc_expand_i32"
     gemm_names = tuple(" / ".join(f"mc_sm90_{part[kind]}" for part in p.parts) for kind in (0, 1))
@@ -356,7 +366,7 @@ def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_l
             _calls[key] = entry
     block, address = entry
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
-    fused = uses_fused(M, k, H, I, batch_invariant)
+    fused = fused_kernel(M, k, H, I) if uses_fused(M, k, H, I, batch_invariant) else None
     # batch_invariant needs its own tiles (pick_config): a tuned table does not apply there.
     tuned = None
     if _gemm._TUNED and not batch_invariant:

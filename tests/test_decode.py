@@ -28,6 +28,9 @@ def test_which_calls_take_one_launch(monkeypatch):
     assert ops.uses_fused(1, 8, 7168, 2048)
     assert not ops.uses_fused(8, 8, 2048, 768) and not ops.uses_fused(4, 4, H, I)
     assert not ops.uses_fused(4, 6, 4096, 2048) and not ops.uses_fused(2, 8, 7168, 2048)
+    # the ring: K 512 stages for qwen3's one token (12.6M weights), K 1024 from gpt-oss's (33M) on
+    assert ops.fused_kernel(1, 8, 2048, 768) == "moe_decode_k512" == ops.fused_kernel(2, 8, 2048, 768)
+    assert ops.fused_kernel(1, 4, H, I) == "moe_decode_k1024" == ops.fused_kernel(4, 8, 2048, 768)
     monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 16)
     monkeypatch.setattr(ops, "FUSED_MAX_WEIGHTS", 16 * 8 * H * I)
     assert ops.uses_fused(1, 8, H, I) and ops.uses_fused(16, 8, H, I)
@@ -42,11 +45,12 @@ def test_which_calls_take_one_launch(monkeypatch):
 
 # ---- GPU ----
 
-@pytest.fixture
-def fused(monkeypatch):
-    """Every call within the slot limit takes the one-launch layer."""
+@pytest.fixture(params=ops.FUSED_KERNELS)
+def fused(request, monkeypatch):
+    """Every call within the slot limit takes the one-launch layer, with each of its kernels (rings)."""
     monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 1 << 20)
     monkeypatch.setattr(ops, "FUSED_MAX_WEIGHTS", 1 << 62)
+    monkeypatch.setattr(ops, "fused_kernel", lambda *shape: request.param)
 
 
 @pytest.fixture

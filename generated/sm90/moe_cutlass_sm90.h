@@ -57,16 +57,27 @@ void mc_layer_call_layout(int64_t* offsets);
 /* Message of a status code returned by any mc_ function (a cudaError_t value). */
 const char* mc_error_string(int code);
 
-/* moe_decode (moe_decode.h.j2) */
-/* The whole MoE layer in ONE kernel launch, for calls of at most mc_sm90_moe_decode_max_slots() slots
+/* moe_decode_k512 (moe_decode.h.j2) */
+/* The whole MoE layer in ONE kernel launch, for calls of at most mc_sm90_moe_decode_k512_max_slots() slots
  * (num_tokens * top_k): routing, GEMM1 + activation, GEMM2 x routing weight and the finalize sum of
  * mc_layer, in one cooperative persistent kernel on call->stream (call: struct McLayerCall,
  * templates/sm90/moe_layer_call.h; its per-layer fields and workspace pieces as for mc_layer, of which it
  * uses gathered and inter). mc_layer calls it when call->fused points to it. Returns a cudaError_t value
  * (cudaErrorInvalidValue for bad arguments, nothing launched). CUDA-graph capturable. */
-int mc_sm90_moe_decode(void* call);
-/* The most slots mc_sm90_moe_decode takes per call. Host only. */
-int32_t mc_sm90_moe_decode_max_slots(void);
+int mc_sm90_moe_decode_k512(void* call);
+/* The most slots mc_sm90_moe_decode_k512 takes per call. Host only. */
+int32_t mc_sm90_moe_decode_k512_max_slots(void);
+
+/* moe_decode_k1024 (moe_decode.h.j2) */
+/* The whole MoE layer in ONE kernel launch, for calls of at most mc_sm90_moe_decode_k1024_max_slots() slots
+ * (num_tokens * top_k): routing, GEMM1 + activation, GEMM2 x routing weight and the finalize sum of
+ * mc_layer, in one cooperative persistent kernel on call->stream (call: struct McLayerCall,
+ * templates/sm90/moe_layer_call.h; its per-layer fields and workspace pieces as for mc_layer, of which it
+ * uses gathered and inter). mc_layer calls it when call->fused points to it. Returns a cudaError_t value
+ * (cudaErrorInvalidValue for bad arguments, nothing launched). CUDA-graph capturable. */
+int mc_sm90_moe_decode_k1024(void* call);
+/* The most slots mc_sm90_moe_decode_k1024 takes per call. Host only. */
+int32_t mc_sm90_moe_decode_k1024_max_slots(void);
 
 /* moe_gemm1_m128n32k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n32k128_coop: GEMM1, tile 128x32x128, cooperative.

@@ -87,18 +87,24 @@ constexpr int kThreads = (kConsumerWarps + 1) * 32;   // + the producer warp
 constexpr int kSlices = 4;            // K split of one item over consumer warps (x 4 row blocks)
 constexpr int kItemRows = 64;         // weight rows per item (4 x m16): one slab, contiguous over K
 constexpr int kItemTokens = 8;        // token rows per item: one n8 block of mma.sync
-constexpr int kChunkUnits = 8;        // 64-K units per stage (K 512)
-constexpr int kStages = 7;
 constexpr int kRowPad = 128;          // layout.py: weight rows padded to 128, K to 64
 constexpr int kKPad = 64;
-// Stage: A [unit][2 KB], scales [group][64 B], B [token][K 512 bf16 + 16 B pad]. The pad makes
-// the B fragment loads conflict free (token n's row starts 4 banks after token n-1's).
-constexpr int kBRowBytes = kChunkUnits * 64 * 2 + 16;
-constexpr int kStageA = kChunkUnits * 2048;
-constexpr int kStageS = 2 * kChunkUnits * kItemRows;
-constexpr int kStageB = kItemTokens * kBRowBytes;
-constexpr int kStageBytes = kStageA + kStageS + kStageB;
-static_assert(kStageBytes % 128 == 0);
+// The ring: Stages stages of ChunkUnits 64-K units each (codegen/configs.py builds one kernel per
+// ring; ops.fused_kernel picks one per call, item 8 of the header). Stage: A [unit][2 KB], scales
+// [group][64 B], B [token][K bf16 + 16 B pad]. The pad makes the B fragment loads conflict free
+// (token n's row starts 4 banks after token n-1's).
+template <int ChunkUnits, int Stages>
+struct RingShape {
+  static constexpr int kChunkUnits = ChunkUnits;
+  static constexpr int kStages = Stages;
+  static constexpr int kBRowBytes = ChunkUnits * 64 * 2 + 16;
+  static constexpr int kStageA = ChunkUnits * 2048;
+  static constexpr int kStageS = 2 * ChunkUnits * kItemRows;
+  static constexpr int kStageB = kItemTokens * kBRowBytes;
+  static constexpr int kStageBytes = kStageA + kStageS + kStageB;
+  static_assert(kStageBytes % 128 == 0);
+  static_assert(ChunkUnits % kSlices == 0, "each K slice takes the same number of units of a full stage");
+};
 constexpr int kPrefetchBytesPerCta = 64 << 10;   // GEMM2 slabs into L2 per CTA (item 5)
 
 struct Args {
@@ -130,7 +136,8 @@ struct Gemm {
   bool slow;
   int n_real, n_pad, k_real, k_pad;
   __device__ int items_per_group() const { return (n_real + kItemRows - 1) / kItemRows; }
-  __device__ int chunks() const { return (k_pad / 64 + kChunkUnits - 1) / kChunkUnits; }
+  template <class R>
+  __device__ int chunks() const { return (k_pad / 64 + R::kChunkUnits - 1) / R::kChunkUnits; }
 };
 
 struct Routing {
@@ -144,14 +151,14 @@ struct Routing {
   int num_active;
 };
 
+template <class R>
 struct Smem {
-  alignas(128) uint8_t stages[kStages][kStageBytes];
+  alignas(128) uint8_t stages[R::kStages][R::kStageBytes];
   float red[2][kSlices - 1][4][32][4];   // K-slice partial sums, double buffered by item parity
-  alignas(8) uint64_t full[kStages];
-  alignas(8) uint64_t empty[kStages];
+  alignas(8) uint64_t full[R::kStages];
+  alignas(8) uint64_t empty[R::kStages];
   Routing r;
 };
-static_assert(sizeof(Smem) <= 227 * 1024, "one CTA per SM: the ring must fit the SM's 227 KB of shared memory");
 
 // ---- PTX helpers -----------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -218,7 +225,7 @@ __device__ int local_expert(const Args& a, int slot) {
 }
 
 // Exclusive scan of v[0..n) in place by one warp (lane l takes a contiguous run); returns the total.
-__device__ int warp_exclusive_scan(int* v, int n) {
+__device__ inline int warp_exclusive_scan(int* v, int n) {
   int const lane = threadIdx.x % 32;
   int const per = (n + 31) / 32;
   int const lo = min(lane * per, n), hi = min(lo + per, n);
@@ -363,18 +370,19 @@ __device__ __forceinline__ void cta_range(int total, int* begin, int* end) {
 }
 
 // Pipeline position shared by producer and consumers: both walk the same (item, chunk) sequence.
+template <class R>
 struct Ring {
   int stage = 0;
   uint32_t round = 0;
   __device__ void next() {
-    if (++stage == kStages) stage = 0, ++round;
+    if (++stage == R::kStages) stage = 0, ++round;
   }
 };
 
 // ---- producer --------------------------------------------------------------------------------
 // Kind 1: token rows from hidden (row -> slot -> token); kind 2: GEMM1's rows of inter.
-template <int Kind>
-__device__ void produce(const Args& a, const Gemm& G, Smem& sm, Ring& ring) {
+template <int Kind, class R>
+__device__ void produce(const Args& a, const Gemm& G, Smem<R>& sm, Ring<R>& ring) {
   int const lane = threadIdx.x % 32;
   int const total = sm.r.item_base[sm.r.num_active] * G.items_per_group();
   int begin, end;
@@ -390,11 +398,11 @@ __device__ void produce(const Args& a, const Gemm& G, Smem& sm, Ring& ring) {
     }
     const uint8_t* wa = G.blocks + (int64_t(it.e) * (G.n_pad / 64) + it.q) * units * 2048;
     const uint8_t* ws = G.scales + int64_t(it.e) * (G.k_pad / 32) * G.n_pad + it.q * kItemRows;
-    for (int c = 0; c < G.chunks(); ++c) {
-      int const u0 = c * kChunkUnits;
-      int const cu = min(kChunkUnits, units - u0);
+    for (int c = 0; c < G.chunks<R>(); ++c) {
+      int const u0 = c * R::kChunkUnits;
+      int const cu = min(R::kChunkUnits, units - u0);
       int const k0 = u0 * 64;
-      uint32_t const b_bytes = uint32_t(min(kChunkUnits * 64, G.k_real - k0)) * 2;
+      uint32_t const b_bytes = uint32_t(min(R::kChunkUnits * 64, G.k_real - k0)) * 2;
       if (ring.round > 0) mbar_wait(&sm.empty[ring.stage], (ring.round - 1) & 1);
       uint8_t* st = sm.stages[ring.stage];
       uint64_t* full = &sm.full[ring.stage];
@@ -402,7 +410,7 @@ __device__ void produce(const Args& a, const Gemm& G, Smem& sm, Ring& ring) {
       // tiny requests per stage throttled the copy engine: measured 0.5-0.85 TB/s).
       for (int p = lane; p < 2 * cu * (kItemRows / 16); p += 32) {
         int const g = p / (kItemRows / 16), o = (p % (kItemRows / 16)) * 16;
-        async_copy16(st + kStageA + g * kItemRows + o, ws + int64_t(u0 * 2 + g) * G.n_pad + o);
+        async_copy16(st + R::kStageA + g * kItemRows + o, ws + int64_t(u0 * 2 + g) * G.n_pad + o);
       }
       async_copies_arrive(full);
       __syncwarp();
@@ -410,7 +418,7 @@ __device__ void produce(const Args& a, const Gemm& G, Smem& sm, Ring& ring) {
         mbar_expect_tx(full, cu * 2048 + it.rows * b_bytes);
         bulk_copy(st, wa + int64_t(u0) * 2048, cu * 2048, full);
       }
-      if (lane < it.rows) bulk_copy(st + kStageA + kStageS + lane * kBRowBytes, src_row + k0, b_bytes, full);
+      if (lane < it.rows) bulk_copy(st + R::kStageA + R::kStageS + lane * R::kBRowBytes, src_row + k0, b_bytes, full);
       ring.next();
     }
   }
@@ -419,7 +427,7 @@ __device__ void produce(const Args& a, const Gemm& G, Smem& sm, Ring& ring) {
 // GEMM2's weight slabs of this CTA's items into L2, up to kPrefetchBytesPerCta: one bulk prefetch
 // per slab, lane l taking slabs l, l + 32, ... (with each slab split into 32 requests over the
 // lanes, the producer reached the grid barrier up to 3.4 us after the last consumer).
-__device__ void prefetch_gemm2(const Gemm& G, const Routing& r) {
+__device__ inline void prefetch_gemm2(const Gemm& G, const Routing& r) {
   int const lane = threadIdx.x % 32;
   int const total = r.item_base[r.num_active] * G.items_per_group();
   int begin, end;
@@ -444,7 +452,7 @@ __device__ void prefetch_gemm2(const Gemm& G, const Routing& r) {
 // and KB are compile-time: per-k-block tests and selects cost more ALU issue slots than the
 // converter itself (ncu, gpt-oss M=4: 0.62 warp instructions/cycle/scheduler, ~190 per 1024
 // weights against ~110 counted in the loop).
-template <bool Slow, int KB>
+template <class R, bool Slow, int KB>
 __device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int lane, float (&acc)[4][4]) {
   int const gq = lane / 4;
   uint4 const w = *reinterpret_cast<uint4 const*>(st + u * 2048 + rb * 512 + lane * 16);
@@ -454,7 +462,7 @@ __device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int l
   for (int g = 0; g < KB / 2; ++g) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      uint32_t const sb = st[kStageA + (2 * u + g) * kItemRows + rb * 16 + gq + 8 * h];
+      uint32_t const sb = st[R::kStageA + (2 * u + g) * kItemRows + rb * 16 + gq + 8 * h];
       sc[g][h] = Slow ? mc_e8m0_to_bf16x2(sb) : mc_scale_fast(sb);
     }
   }
@@ -462,7 +470,7 @@ __device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int l
   // 8 k-values at k = 8 (i / 8)): token n = lane / 4. Unmasked: a token row past the item holds
   // stale bytes, which reach only its own output column, never stored.
   uint32_t bf[KB][2];
-  uint8_t const* brow = st + kStageA + kStageS + (lane % 8) * kBRowBytes + (u * 64 + (lane / 8) * 8) * 2;
+  uint8_t const* brow = st + R::kStageA + R::kStageS + (lane % 8) * R::kBRowBytes + (u * 64 + (lane / 8) * 8) * 2;
 #pragma unroll
   for (int kp = 0; kp < KB / 2; ++kp) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -488,23 +496,23 @@ __device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int l
 // Tail: K % 64 == 32, so the last unit is half padding. A compile-time flag, not a per-unit test:
 // ptxas if-converted the two unit bodies into one predicated stream that issued both (141 warp
 // instructions per 1024 weights where the flag leaves 89; one launch 2-13% faster, NOTES (10)).
-template <bool Slow, bool Tail>
-__device__ void item_mma(const Gemm& G, Smem& sm, Ring& ring, int rb, int slice, float (&acc)[4][4]) {
+template <class R, bool Slow, bool Tail>
+__device__ void item_mma(const Gemm& G, Smem<R>& sm, Ring<R>& ring, int rb, int slice, float (&acc)[4][4]) {
   int const lane = threadIdx.x % 32;
   int const units = G.k_pad / 64;
-  for (int c = 0; c < G.chunks(); ++c) {
-    int const u0 = c * kChunkUnits;
-    int const cu = min(kChunkUnits, units - u0);
+  for (int c = 0; c < G.chunks<R>(); ++c) {
+    int const u0 = c * R::kChunkUnits;
+    int const cu = min(R::kChunkUnits, units - u0);
     mbar_wait(&sm.full[ring.stage], ring.round & 1);
     uint8_t const* st = sm.stages[ring.stage];
 #pragma unroll
-    for (int uu = 0; uu < kChunkUnits / kSlices; ++uu) {
+    for (int uu = 0; uu < R::kChunkUnits / kSlices; ++uu) {
       int const u = slice + uu * kSlices;
       if (u >= cu) break;
       if (!Tail || (u0 + u) * 64 + 64 <= G.k_real) {
-        unit_mma<Slow, 4>(st, u, rb, lane, acc);
+        unit_mma<R, Slow, 4>(st, u, rb, lane, acc);
       } else {
-        unit_mma<Slow, 2>(st, u, rb, lane, acc);
+        unit_mma<R, Slow, 2>(st, u, rb, lane, acc);
       }
     }
     __syncwarp();
@@ -513,18 +521,20 @@ __device__ void item_mma(const Gemm& G, Smem& sm, Ring& ring, int rb, int slice,
   }
 }
 
-__device__ __forceinline__ void item_mma_dispatch(const Gemm& G, Smem& sm, Ring& ring, int rb, int slice,
+template <class R>
+__device__ __forceinline__ void item_mma_dispatch(const Gemm& G, Smem<R>& sm, Ring<R>& ring, int rb, int slice,
                                                   float (&acc)[4][4]) {
   bool const tail = G.k_real % 64 != 0;
   if (G.slow) {
-    tail ? item_mma<true, true>(G, sm, ring, rb, slice, acc) : item_mma<true, false>(G, sm, ring, rb, slice, acc);
+    tail ? item_mma<R, true, true>(G, sm, ring, rb, slice, acc) : item_mma<R, true, false>(G, sm, ring, rb, slice, acc);
   } else {
-    tail ? item_mma<false, true>(G, sm, ring, rb, slice, acc) : item_mma<false, false>(G, sm, ring, rb, slice, acc);
+    tail ? item_mma<R, false, true>(G, sm, ring, rb, slice, acc)
+         : item_mma<R, false, false>(G, sm, ring, rb, slice, acc);
   }
 }
 
-template <int Kind>
-__device__ void consume(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int& parity) {
+template <int Kind, class R>
+__device__ void consume(const Args& a, const Gemm& G, Smem<R>& sm, Ring<R>& ring, int& parity) {
   int const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int const rb = warp & 3, slice = warp >> 2;
   int const gq = lane / 4, cq = lane % 4;
@@ -588,7 +598,7 @@ __device__ void consume(const Args& a, const Gemm& G, Smem& sm, Ring& ring, int&
 // one multiply by the scaling factor and one rounding. The k row loads of a thread go out together:
 // one at a time (a dependent L2 round trip each) they kept the finalizing CTA 2.4 us past the second
 // grid barrier at qwen3 M = 1 (timestamps, NOTES.md 2026-12-01 (11)).
-__device__ void finalize(const Args& a, const Routing& r) {
+__device__ inline void finalize(const Args& a, const Routing& r) {
   int64_t const chunks = a.H / 8;
   int64_t const n = int64_t(a.num_tokens) * chunks;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
@@ -609,12 +619,12 @@ __device__ __forceinline__ void phase_barrier() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
-template <typename IdT>
+template <typename IdT, class R>
 __global__ void __launch_bounds__(kThreads, 1) layer_kernel(Args a) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
-  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  Smem<R>& sm = *reinterpret_cast<Smem<R>*>(smem_raw);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < R::kStages; ++s) {
       mbar_init(&sm.full[s], 1 + 32);   // the producer's expect-tx arrival + each lane's cp.async arrival
       mbar_init(&sm.empty[s], kConsumerWarps);
     }
@@ -626,7 +636,7 @@ __global__ void __launch_bounds__(kThreads, 1) layer_kernel(Args a) {
                 2 * a.I, (2 * a.I + kRowPad - 1) / kRowPad * kRowPad, a.H, (a.H + kKPad - 1) / kKPad * kKPad};
   Gemm const g2{a.w2_blocks, a.w2_scales, a.w2_bias, a.w2_slow,
                 a.H, (a.H + kRowPad - 1) / kRowPad * kRowPad, a.I, (a.I + kKPad - 1) / kKPad * kKPad};
-  Ring ring;
+  Ring<R> ring;
   int parity = 0;
   bool const producer = threadIdx.x / 32 == kConsumerWarps;
   if (producer) {
@@ -648,7 +658,7 @@ __global__ void __launch_bounds__(kThreads, 1) layer_kernel(Args a) {
 // ---- host ------------------------------------------------------------------------------------
 inline bool misaligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a != 0; }
 
-template <typename IdT>
+template <typename IdT, class R>
 int launch(McLayerCall const* c) {
   int64_t const slots = c->num_tokens * c->top_k;
   if (c->num_tokens < 0 || c->top_k < 1 || slots > kMaxSlots || c->num_experts < 1 ||
@@ -701,12 +711,13 @@ int launch(McLayerCall const* c) {
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return int(err);
   if (dev < 0 || dev >= kMaxDevices) return int(cudaErrorInvalidDevice);
-  auto kernel = layer_kernel<IdT>;
+  static_assert(sizeof(Smem<R>) <= 227 * 1024, "one CTA per SM: the ring must fit the SM's 227 KB of shared memory");
+  auto kernel = layer_kernel<IdT, R>;
   if (grid_of[dev] == 0) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(Smem)));
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(Smem<R>)));
     if (err != cudaSuccess) return int(err);
     int per_sm = 0, sms = 0;
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, sizeof(Smem));
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, sizeof(Smem<R>));
     if (err != cudaSuccess) return int(err);
     err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (err != cudaSuccess) return int(err);
@@ -716,7 +727,7 @@ int launch(McLayerCall const* c) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid_of[dev]);
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = sizeof(Smem);
+  cfg.dynamicSmemBytes = sizeof(Smem<R>);
   cfg.stream = c->stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeCooperative;

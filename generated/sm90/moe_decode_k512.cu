@@ -4,15 +4,15 @@
 
 // The exported ABI, declared ahead of the definitions so the compiler checks they agree.
 extern "C" {
-/* The whole MoE layer in ONE kernel launch, for calls of at most mc_sm90_moe_decode_max_slots() slots
+/* The whole MoE layer in ONE kernel launch, for calls of at most mc_sm90_moe_decode_k512_max_slots() slots
  * (num_tokens * top_k): routing, GEMM1 + activation, GEMM2 x routing weight and the finalize sum of
  * mc_layer, in one cooperative persistent kernel on call->stream (call: struct McLayerCall,
  * templates/sm90/moe_layer_call.h; its per-layer fields and workspace pieces as for mc_layer, of which it
  * uses gathered and inter). mc_layer calls it when call->fused points to it. Returns a cudaError_t value
  * (cudaErrorInvalidValue for bad arguments, nothing launched). CUDA-graph capturable. */
-int mc_sm90_moe_decode(void* call);
-/* The most slots mc_sm90_moe_decode takes per call. Host only. */
-int32_t mc_sm90_moe_decode_max_slots(void);
+int mc_sm90_moe_decode_k512(void* call);
+/* The most slots mc_sm90_moe_decode_k512 takes per call. Host only. */
+int32_t mc_sm90_moe_decode_k512_max_slots(void);
 }
 
 // The whole MoE layer for small batches in one launch (templates/sm90/moe_decode.cuh).
@@ -21,13 +21,14 @@ int32_t mc_sm90_moe_decode_max_slots(void);
 
 #include <type_traits>
 
-extern "C" int mc_sm90_moe_decode(void* call) {
+extern "C" int mc_sm90_moe_decode_k512(void* call) {
   McLayerCall const* c = static_cast<McLayerCall const*>(call);
   if (c == nullptr) return int(cudaErrorInvalidValue);
-  return c->ids_int64 ? moe_cutlass::decode::launch<int64_t>(c) : moe_cutlass::decode::launch<int32_t>(c);
+  using Ring = moe_cutlass::decode::RingShape<8, 7>;
+  return c->ids_int64 ? moe_cutlass::decode::launch<int64_t, Ring>(c) : moe_cutlass::decode::launch<int32_t, Ring>(c);
 }
 
-static_assert(std::is_same_v<decltype(&mc_sm90_moe_decode), McFusedFn>,
+static_assert(std::is_same_v<decltype(&mc_sm90_moe_decode_k512), McFusedFn>,
               "mc_layer calls the one-launch layer through McFusedFn (moe_layer_call.h): keep the two signatures equal");
 
-extern "C" int32_t mc_sm90_moe_decode_max_slots(void) { return moe_cutlass::decode::kMaxSlots; }
+extern "C" int32_t mc_sm90_moe_decode_k512_max_slots(void) { return moe_cutlass::decode::kMaxSlots; }
