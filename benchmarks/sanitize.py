@@ -67,18 +67,20 @@ def workload():
     mc.fused_moe(random_hidden(M, H, gen), experts, weights, ids.long(), expert_map=expert_map)
 
     # The one-launch layer (templates/sm90/moe_decode.cuh): one token (the default path), then 20
-    # and 40 rows on one expert (token groups of up to 8 rows) with the thresholds lifted: up to 32
-    # slots one warp routes them, above the shared-memory routing does.
+    # and 40 rows on one expert (token groups of up to 8 rows) with the thresholds lifted, on each
+    # kernel (ring): up to 32 slots one warp routes them, above the shared-memory routing does.
     weights, ids = random_routing(1, E, k, gen)
     mc.fused_moe(random_hidden(1, H, gen), experts, weights, ids)
-    fused_max = ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS
+    fused_rule = ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS, ops.fused_kernel
     ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS = 64, 1 << 62
     try:
-        for rows in (20, 40):
-            weights, ids = random_routing(rows, E, 1, gen)
-            mc.fused_moe(random_hidden(rows, H, gen), experts, weights, torch.full_like(ids, 2))
+        for kernel in ops.FUSED_KERNELS:
+            ops.fused_kernel = lambda *shape, kernel=kernel: kernel
+            for rows in (20, 40):
+                weights, ids = random_routing(rows, E, 1, gen)
+                mc.fused_moe(random_hidden(rows, H, gen), experts, weights, torch.full_like(ids, 2))
     finally:
-        ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS = fused_max
+        ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS, ops.fused_kernel = fused_rule
 
     # One launch of each GEMM config; experts of 5, 0 and 11 rows, GEMM1's rows feed GEMM2.
     experts = random_experts(3, H, I, gen, bias=True)

@@ -188,17 +188,18 @@ assert [getattr(LayerCall, f).offset for f, _ in LayerCall._fields_[:8]] == list
 # FUSED_MAX_WEIGHTS expert weights per matrix kind summed over the slots (M * top_k * H * I), never
 # batch_invariant (whose bits must not depend on the batch). The one launch saves fixed costs
 # (launches, expand, finalize, graph gaps) but streams weights slower than the CUTLASS GEMMs.
-# Measured on an H200, both paths in one process, with the one-warp routing and the 64 KB GEMM2
-# prefetch (benchmarks/NOTES.md 2026-12-01 (11)): it wins at one token on all four shapes (qwen3
-# 12.6M weights -28%, gpt-oss 33M -22%, dsv4-flash 50M -20%, dsv3 117M -4.5%), at two on qwen3 (25M),
-# gpt-oss (66M) and dsv4-flash (101M) by 7-20%, at four on qwen3 (50M, -7%); it loses at four tokens
-# on gpt-oss (133M, +4%), at two on dsv3 (235M, +15%) and at eight on qwen3 (101M, +28%).
+# Measured on an H200, both paths and both rings in one process pool (benchmarks/NOTES.md
+# 2026-12-01 (13)), us, one launch (its ring) / four launches: qwen3 M = 1 24.3 / 35.5 (12.6M weights),
+# 2 33.3 / 49.5 (25M), 4 53.7 / 53.4 (50M, a tie), 8 79.0 / 70.8 (101M); gpt-oss 37.5 / 49.8 (33M),
+# 55.1 / 69.0 (66M), 92.1 / 95.6 (133M), 148.0 / 138.2 (265M); dsv4-flash 46.1 / 58.6 (50M), 71.4 / 77.7
+# (101M), 125.8 / 122.6 (201M); dsv3 82.0 / 92.9 (117M), 139.9 / 137.6 (235M).
 FUSED_MAX_TOKENS = 4
-FUSED_MAX_WEIGHTS = 120 << 20
+FUSED_MAX_WEIGHTS = 136 << 20
 # Its shared-memory ring (codegen/configs.py SM90_DECODE_RINGS, one kernel each): 4 stages of K 1024
-# from FUSED_WIDE_MIN_WEIGHTS weights (M * top_k * H * I) on, 7 stages of K 512 below. Half as many
-# stage hand-offs per byte; with one or two items per CTA the deeper ring of smaller stages fills
-# sooner (benchmarks/NOTES.md 2026-12-01 (13)).
+# from FUSED_WIDE_MIN_WEIGHTS weights on, 7 stages of K 512 below. The wide stages halve the stage
+# hand-offs per byte (gpt-oss M = 2 -7%, dsv4-flash M = 2 -9%, dsv3 M = 1 -6%, gpt-oss M = 4 -10%);
+# with one or two items per CTA the deeper ring of smaller stages fills sooner (qwen3 M = 1 24.3 against
+# 25.8 us, M = 2 33.3 against 34.9).
 FUSED_KERNELS = ("moe_decode_k512", "moe_decode_k1024")
 FUSED_WIDE_MIN_WEIGHTS = 30 << 20
 
