@@ -197,7 +197,7 @@ FUSED_MAX_TOKENS = 4
 FUSED_MAX_WEIGHTS = 136 << 20
 # Its shared-memory ring (codegen/configs.py SM90_DECODE_RINGS, one kernel each): 4 stages of K 1024
 # from FUSED_WIDE_MIN_WEIGHTS weights on, 7 stages of K 512 below. The wide stages halve the stage
-# hand-offs per byte (gpt-oss M = 2 -7%, dsv4-flash M = 2 -9%, dsv3 M = 1 -6%, gpt-oss M = 4 -10%);
+# hand-offs per byte (gpt-oss M = 2 -7%, dsv4-flash M = 2 -9%, dsv3 M = 1 -5.5%, gpt-oss M = 4 -10%);
 # with one or two items per CTA the deeper ring of smaller stages fills sooner (qwen3 M = 1 24.3 against
 # 25.8 us, M = 2 33.3 against 34.9).
 FUSED_KERNELS = ("moe_decode_k512", "moe_decode_k1024")

@@ -23,8 +23,8 @@
 //     and the folded scale multiply (mxfp4_math.cuh), and the epilogue arithmetic. Tokens are the
 //     n = 8 side of mma.sync (at these few rows per expert tensor-core rate is not the limit;
 //     the weight stream is).
-//  4. A producer warp streams each work item's weights, scales and token rows into a 7-stage
-//     shared-memory ring: weights with ONE 1-D bulk copy per stage (a 64-row slab is contiguous
+//  4. A producer warp streams each work item's weights, scales and token rows into a shared-memory
+//     ring (item 8: 7 stages of K 512 or 4 of K 1024): weights with ONE 1-D bulk copy per stage (a 64-row slab is contiguous
 //     over K in the prepared layout; no TMA descriptors, nothing encoded on the host), token rows
 //     with one bulk copy each, scales with 16-byte cp.async spread over the producer's lanes;
 //     sixteen consumer warps convert and multiply. Work items are (expert, 64 weight rows, <= 8
@@ -65,6 +65,18 @@
 //     sum over the k choices in slot order, one multiply by routed_scaling_factor, one rounding);
 //     a token's bits depend on the batch only through the GEMMs' K-split order, which is fixed.
 //     (fused_moe(batch_invariant=True) never takes this path.)
+//  8. Two rings, one kernel each (codegen/configs.py SM90_DECODE_RINGS; ops.fused_kernel picks by
+//     weights per call): 7 stages of K 512 (16 KB of weights) and 4 stages of K 1024 (32 KB). Per
+//     stage the producer waits, issues and arrives once and every consumer warp waits and releases
+//     once, whatever its size; with the consumers' work removed the one launch streams close to the
+//     four launches (qwen3 M = 16 85 against 91 us), with it 33% slower, and smaller stages (15 x
+//     K 256) were 5-17% slower still. The K 1024 ring, same process pool (benchmarks/NOTES.md
+//     2026-12-01 (13)): gpt-oss M = 2 / 4 -7 / -10%, dsv4-flash M = 2 -9%, dsv3 M = 1 -5.5%, qwen3 M = 16
+//     -7% against the K 512 ring; qwen3 M = 1 / 2 +6 / +5% (one or two items per CTA: the deeper ring
+//     of smaller stages fills sooner). Measured and dropped in the same session: K split across CTAs
+//     by chunks where items fill under three waves (the imbalance of qwen3's and gpt-oss's one token;
+//     no faster before paying for the partial sums), and a barrier per row block with a rotating
+//     reducer in place of the sixteen-warp barrier per item (2-3% slower).
 #pragma once
 
 #include <cooperative_groups.h>
