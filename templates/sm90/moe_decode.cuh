@@ -70,7 +70,7 @@
 //     stage the producer waits, issues and arrives once and every consumer warp waits and releases
 //     once, whatever its size; with the consumers' work removed the one launch streams close to the
 //     four launches (qwen3 M = 16 85 against 91 us), with it 33% slower, and smaller stages (15 x
-//     K 256) were 5-17% slower still. The K 1024 ring, same process pool (benchmarks/NOTES.md
+//     K 256) were up to 17% slower still. The K 1024 ring, same process pool (benchmarks/NOTES.md
 //     2026-12-01 (13)): gpt-oss M = 2 / 4 -7 / -10%, dsv4-flash M = 2 -9%, dsv3 M = 1 -5.5%, qwen3 M = 16
 //     -7% against the K 512 ring; qwen3 M = 1 / 2 +6 / +5% (one or two items per CTA: the deeper ring
 //     of smaller stages fills sooner). Measured and dropped in the same session: K split across CTAs
