@@ -65,7 +65,6 @@ __global__ void __launch_bounds__(64, 1) stream_kernel(const uint8_t* src, long 
 
 }  // namespace
 
-
 // Once per process and device, outside CUDA-graph capture: the ring's shared-memory opt-in.
 extern "C" int mc_bench_stream_init(void) {
   return int(cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStages * kChunk));

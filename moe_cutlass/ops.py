@@ -236,7 +236,8 @@ def fused_kernel(num_tokens: int, top_k: int, hidden_size: int, intermediate_siz
 
 
 @functools.lru_cache(maxsize=1024)
-def _gemms(slots: int, E: int, batch_invariant: bool, fused, ids_int64: bool, tuned, pdl: bool) -> _Gemms:
+def _gemms(slots: int, E: int, batch_invariant: bool, fused: str | None, ids_int64: bool, tuned,
+           pdl: bool) -> _Gemms:
     # The GEMM tiles follow the rows per expert, which the host knows only on average (slots / E):
     # _gemm.plan's parts let the device place each expert's rows. A shape that moe_cutlass.tuning
     # measured (tuned: the two config names, or _gemm.PLAN for the rule) runs them as one launch each.

@@ -24,9 +24,10 @@
 //     n = 8 side of mma.sync (at these few rows per expert tensor-core rate is not the limit;
 //     the weight stream is).
 //  4. A producer warp streams each work item's weights, scales and token rows into a shared-memory
-//     ring (item 8: 7 stages of K 512 or 4 of K 1024): weights with ONE 1-D bulk copy per stage (a 64-row slab is contiguous
-//     over K in the prepared layout; no TMA descriptors, nothing encoded on the host), token rows
-//     with one bulk copy each, scales with 16-byte cp.async spread over the producer's lanes;
+//     ring (item 8: 7 stages of K 512 or 4 of K 1024): weights with ONE 1-D bulk copy per stage (a
+//     64-row slab is contiguous over K in the prepared layout; no TMA descriptors, nothing encoded
+//     on the host), token rows with one bulk copy each, scales with 16-byte cp.async spread over
+//     the producer's lanes;
 //     sixteen consumer warps convert and multiply. Work items are (expert, 64 weight rows, <= 8
 //     tokens), handed to CTAs as contiguous ranges so a CTA's items share experts; each item's K
 //     is split over four consumer warps and summed through shared memory in a fixed order.
@@ -59,8 +60,8 @@
 //     where it measured faster. A claimed work order with per-expert counters in
 //     place of the middle barrier measured 10-24% slower (one global counter's round trip per item
 //     on the producer's critical path). What it would take to win everywhere: the consumers on
-//     async RS-WGMMA with B from shared memory (the CUTLASS mainloop's two register sets), and K
-//     split across CTAs when items are under two waves.
+//     async RS-WGMMA with B from shared memory (the CUTLASS mainloop's two register sets); K split
+//     across CTAs where items are under two waves measured no faster (item 8).
 //  7. Determinism: no atomics in any sum. The finalize is the finalize kernel's arithmetic (fp32
 //     sum over the k choices in slot order, one multiply by routed_scaling_factor, one rounding);
 //     a token's bits depend on the batch only through the GEMMs' K-split order, which is fixed.
