@@ -30,8 +30,17 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def probe_defines() -> list:
+    """The macros of a probe build (python -m codegen --define) when the process loaded one, else []."""
+    lib = sys.modules.get("moe_cutlass._lib")
+    if lib is None or lib.library.cache_info().currsize == 0:
+        return []
+    return list(lib.library().manifest.get("defines", []))
+
+
 def write_record(kind: str, payload: dict, out_dir=None) -> Path:
-    """Write {commit, date, device, command, kind, **payload} and return its path.
+    """Write {commit, date, device, command, kind, **payload} and return its path, with
+    probe_defines added when the kernels that ran came from a probe build.
 
     The file name carries the kind and a UTC timestamp so records never overwrite each other.
     """
@@ -44,6 +53,9 @@ def write_record(kind: str, payload: dict, out_dir=None) -> Path:
         "kind": kind,
         **payload,
     }
+    defines = probe_defines()
+    if defines:
+        record["probe_defines"] = defines
     directory = Path(out_dir) if out_dir else RESULTS_DIR
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{kind}_{now.strftime('%Y%m%dT%H%M%SZ')}.json"

@@ -1,10 +1,12 @@
-"""python -m codegen --arch sm90 [--list | --render-only | --build-only] [--only A,B] [-j N]"""
+"""python -m codegen --arch sm90 [--list | --render-only | --build-only] [--only A,B] [-j N]
+                     [--define NAME[=VALUE] ...] [--out-dir DIR]"""
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from .build import BuildError, build
+from .build import DEFINE_RE, BuildError, build
 from .configs import KERNELS
 from .render import ConfigError, configs_for, render_to_disk
 from .toolchain import ToolchainError
@@ -19,6 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--build-only", action="store_true", help="compile and link generated/<arch>/ as it is")
     p.add_argument("--only", help="comma-separated config names to compile and link (default: all)")
     p.add_argument("-j", "--jobs", type=int, help="parallel compiles (default: bounded by cores and RAM, at most 4)")
+    p.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
+                   help="a macro for every compile, for development probes (e.g. MC_PROBE_NO_CONVERT); needs --out-dir")
+    p.add_argument("--out-dir", help="where the library, its manifest and objects go (default build/<arch>)")
     return p
 
 
@@ -32,6 +37,11 @@ def main(argv=None) -> int:
         only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
         if args.jobs is not None and args.jobs < 1:
             raise ConfigError("-j must be at least 1")
+        if args.define and not args.out_dir:
+            raise ConfigError("--define needs --out-dir: a probe library must not replace build/<arch>'s")
+        bad = [d for d in args.define if not DEFINE_RE.fullmatch(d)]
+        if bad:
+            raise ConfigError(f"--define {bad[0]!r} is not NAME or NAME=VALUE (letters, digits, _ . + -)")
         if not args.build_only:
             unknown = sorted(set(only or ()) - {cfg.name for cfg in configs_for(args.arch)})
             if unknown:
@@ -40,7 +50,8 @@ def main(argv=None) -> int:
             changed = render_to_disk(args.arch)
             print(f"[codegen] rendered {args.arch}: {len(changed)} files changed", flush=True)
         if not args.render_only:
-            build(args.arch, only=only, jobs=args.jobs)
+            build(args.arch, only=only, jobs=args.jobs, out_dir=Path(args.out_dir) if args.out_dir else None,
+                  defines=args.define)
         return 0
     except (ConfigError, ToolchainError, BuildError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -2,12 +2,15 @@
 
 Outputs in build/<arch>/: lib<...>.so, lib<...>.manifest.json (the manifest of what the
 library holds: it makes the library self-describing), build_report.json, obj/ (cache).
+A probe build (defines: preprocessor macros such as the mainloop's MC_PROBE_NO_CONVERT) records
+its macros in both files; moe_cutlass warns when it loads such a library.
 """
 
 import concurrent.futures as futures
 import ctypes
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -34,9 +37,16 @@ class BuildError(RuntimeError):
     """A compile or the link failed; the message carries the command and its output."""
 
 
-def compile_flags(arch: str, toolchain: Toolchain) -> list:
+# A macro as `--define` takes it: NAME or NAME=VALUE, nothing the shell or nvcc would split.
+DEFINE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?")
+
+
+def compile_flags(arch: str, toolchain: Toolchain, defines=()) -> list:
     includes = [templates_dir(arch), *toolchain.cutlass_includes]
-    return [*COMPILE_FLAGS, *ARCH_FLAGS[arch], *(f"-I{d}" for d in includes)]
+    bad = [d for d in defines if not DEFINE_RE.fullmatch(d)]
+    if bad:
+        raise ConfigError(f"--define {bad[0]!r} is not NAME or NAME=VALUE (letters, digits, _ . + -)")
+    return [*COMPILE_FLAGS, *ARCH_FLAGS[arch], *(f"-D{d}" for d in defines), *(f"-I{d}" for d in includes)]
 
 
 def _available_ram() -> float:
@@ -219,8 +229,9 @@ def _add_dynamic_smem(objects: dict, library: Path, arch: str) -> None:
 
 
 def build(arch: str, only=None, jobs: int | None = None, gen_dir: Path | None = None,
-          out_dir: Path | None = None, emit=None) -> Path:
-    """Builds the library from the rendered sources; returns its path."""
+          out_dir: Path | None = None, emit=None, defines=()) -> Path:
+    """Builds the library from the rendered sources; returns its path. defines: extra macros for
+    every compile (probe builds; kept out of build/<arch> by giving them their own out_dir)."""
     if arch not in ARCH_FLAGS:
         raise ConfigError(f"unknown arch {arch!r}; valid: {', '.join(sorted(ARCH_FLAGS))}")
     gen_dir = gen_dir or generated_dir(arch)
@@ -235,13 +246,14 @@ def build(arch: str, only=None, jobs: int | None = None, gen_dir: Path | None = 
     jobs = max(1, min(jobs or default_jobs(), len(kernels)))
     obj_dir = out_dir / "obj"
     obj_dir.mkdir(parents=True, exist_ok=True)
-    b = Build(arch, toolchain, compile_flags(arch, toolchain), obj_dir, progress)
+    defines = list(defines)
+    b = Build(arch, toolchain, compile_flags(arch, toolchain, defines), obj_dir, progress)
     progress(f"{arch}: {len(kernels)} objects, up to {jobs} compiles at a time")
     results = _compile_all(b, {k["name"]: gen_dir / k["source"] for k in kernels}, jobs)
 
     library = out_dir / library_name(arch)
     objects = [results[k["name"]].path for k in kernels]
-    linked = _link(b, objects, library, {**manifest, "kernels": kernels})
+    linked = _link(b, objects, library, {**manifest, "kernels": kernels, "defines": defines})
     progress(f"{'linked' if linked else 'up to date'}: {library}")
 
     build_report = {
@@ -249,6 +261,7 @@ def build(arch: str, only=None, jobs: int | None = None, gen_dir: Path | None = 
         "library": str(library),
         "nvcc": next((l for l in toolchain.nvcc_version.splitlines() if "release" in l), toolchain.nvcc_version.strip()),
         "cuobjdump": toolchain.cuobjdump,
+        "defines": defines,
         "objects": {
             r.name: {
                 "object": str(r.path),

@@ -42,12 +42,16 @@ ARCH_FLAGS = {
 # 1-13% slower (gpt-oss's K = 2880 pads to 2944 with TileK 128, but the extra k iterations cost more).
 # 192-row tiles: three consumer warpgroups (templates/sm90/moe_gemm_kernel.hpp), TileK 128 (152
 # registers per consumer thread); the split plan's 32/64-token parts (moe_cutlass/_gemm.py TALL_TILES).
+# 192x8x256: the 8-token tile with TileK 256 on three consumer warpgroups, its A register sets holding
+# half a k tile each (moe_gemm_mainloop.hpp, 10.); _gemm.plan takes it from 1.5 rows per expert.
+# 192x16x256 measured a tie with 128x16x256 (M = 256, all four shapes) and is not built.
 # A/B'd and dropped (benchmarks/results/raw/profile_20261201T0543*Z_libe_*coop2.json): 128x8x128 and
 # 128x16x128 with two CTAs per SM (four consumer warps per scheduler, 104 registers each) against
 # 128x8x256 / 128x16x256: gpt-oss M = 4 GEMM1 -15%, M = 64 -4%, but M = 16 +6%, dsv3 +10..+18%,
 # qwen3 M = 4 GEMM1 +20%.
 SM90_GEMM_TILES = ((128, 32, 128), (128, 64, 128), (128, 96, 128), (128, 128, 128), (128, 16, 256), (128, 8, 256),
-                   (128, 32, 256), (128, 64, 256), (192, 8, 128), (192, 16, 128), (192, 32, 128), (192, 64, 128))
+                   (128, 32, 256), (128, 64, 256), (192, 8, 128), (192, 16, 128), (192, 32, 128), (192, 64, 128),
+                   (192, 8, 256))
 
 
 def _gemm_configs(tiles) -> list:

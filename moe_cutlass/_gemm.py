@@ -133,9 +133,16 @@ def split_plan(rows: int, num_experts: int, tiles=None) -> Plan:
 # twice (benchmarks/results/profile_20261201T0448{06,17,27,37}Z.json: --tall 00 / 11 / 10 / 01):
 # the split plan's 32/64-token parts gain on 192 rows (qwen3 M = 256 GEMM1 / GEMM2 -6.7 / -7.8%,
 # gpt-oss M = 1024 GEMM1 -8.2%, dsv3 M = 1024 GEMM1 -1.4%; the worst, dsv4-flash M = 1024 GEMM2,
-# +1.7%), the streaming 8/16-token tiles lose (+2..+12% at M = 4-64 on all shapes but gpt-oss
-# GEMM1 M = 64). So plan() takes them for split plans only.
-TALL_TILES = {f"m128n{n}k256_coop": f"m192n{n}k128_coop" for n in (8, 16, 32, 64)}
+# +1.7%), the streaming 8/16-token tiles on TileK 128 lose (+2..+12% at M = 4-64). The 8-token tile
+# keeps TileK 256 on 192 rows (half-tile register sets, moe_gemm_mainloop.hpp 10.): layer kernel time
+# against 128x8x256, two rounds each (benchmarks/results/raw/profile_20261201T14*Z_tall_n8k256_*.json),
+# from 1.5 rows per expert on -1.2..-3.6% on all four shapes (M = 32 qwen3, M = 64 all, M = 128
+# gpt-oss / dsv4-flash; dsv3 M = 128 +2.8 / -0.1%), below it -3.5..+4.2% (dsv4-flash +3.8..+4.2% at
+# M = 8-16, dsv3 -2.9..-3.5%): fewer, longer tiles leave more of the last wave idle when few
+# experts are active. So plan() takes it from TALL_STREAM_MIN_ROWS rows per expert.
+TALL_TILES = {"m128n8k256_coop": "m192n8k256_coop", "m128n16k256_coop": "m192n16k128_coop",
+              "m128n32k256_coop": "m192n32k128_coop", "m128n64k256_coop": "m192n64k128_coop"}
+TALL_STREAM_MIN_ROWS = 1.5
 BOTH_TALL, NO_TALL = (True, True), (False, False)
 
 
@@ -150,12 +157,16 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
          split_tiles=None) -> Plan:
     """The GEMM launches of a call with `rows` (M * top_k) rows (available: the GEMM1 configs the
     library holds, as for pick_config; GEMM2's follow them): pick_config's one tile up to
-    SPLIT_MIN_ROWS rows per expert (streaming tiles) and for batch_invariant (whose bits must not
-    depend on which part a row lands in), split_plan's parts above, their tiles of up to 64 tokens
-    on 192 rows (TALL_TILES). tall_tiles = (GEMM1, GEMM2) overrides where the tiles of up to 64
+    SPLIT_MIN_ROWS rows per expert (streaming tiles; the 8-token one on 192 rows from
+    TALL_STREAM_MIN_ROWS rows per expert) and for batch_invariant (whose bits must not depend on
+    which part a row lands in), split_plan's parts above, their tiles of up to 64 tokens on 192
+    rows (TALL_TILES). tall_tiles = (GEMM1, GEMM2) overrides where the tiles of up to 64
     tokens run on 192 rows (for A/B; not with batch_invariant); split_tiles overrides SPLIT_TILES (for A/B)."""
-    if batch_invariant or rows / max(1, num_experts) <= SPLIT_MIN_ROWS:
-        p, rule = single(pick_config(1, rows, num_experts, available, batch_invariant)), NO_TALL
+    per_expert = rows / max(1, num_experts)
+    if batch_invariant or per_expert <= SPLIT_MIN_ROWS:
+        config = pick_config(1, rows, num_experts, available, batch_invariant)
+        p = single(config)
+        rule = BOTH_TALL if tile_n(config) == 8 and per_expert >= TALL_STREAM_MIN_ROWS else NO_TALL
     else:
         p, rule = split_plan(rows, num_experts, split_tiles), BOTH_TALL
         if available is not None and not all(part[0] in available for part in p.parts):

@@ -10,6 +10,7 @@ import ctypes
 import functools
 import json
 import os
+import warnings
 from pathlib import Path
 
 ENV_VAR = "MOE_CUTLASS_LIB"
@@ -52,6 +53,9 @@ class Library:
                                   f"`python -m codegen --arch {ARCH}`")
         self.path = path
         self.manifest = json.loads(manifest_path.read_text())
+        if self.manifest.get("defines"):
+            warnings.warn(f"{path} is a probe build (macros {', '.join(self.manifest['defines'])}): its kernels "
+                          "may skip work and return wrong results", RuntimeWarning, stacklevel=2)
         self._dll = ctypes.CDLL(str(path))
         self.signatures = {fn["name"]: fn for k in self.manifest["kernels"] for fn in k["functions"]}
         self._functions = {}

@@ -33,7 +33,7 @@ def test_labels_keep_a_192_row_tile_apart():
 
 def test_labels_name_each_gemms_tile_where_they_differ():
     one = _gemm.plan(64 * 4, 128, tall_tiles=(True, False))   # 2 rows per expert: one 8-token tile
-    assert label(one) == "m192n8k128/n8k256"
+    assert label(one) == "m192n8k256/n8k256"
     parts = _gemm.plan(1024 * 4, 128, tall_tiles=(True, True))
     assert label(parts) == "plan:n64t+n32t"
 

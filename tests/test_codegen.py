@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from codegen import cache, render
-from codegen.build import build
+from codegen.build import build, compile_flags
 from codegen.configs import KERNELS, KernelConfig
 from codegen.paths import REPO_ROOT, generated_dir, templates_dir
+from codegen.toolchain import Toolchain
 from moe_cutlass import _lib
 
 ARCH = "sm90"
@@ -96,6 +97,18 @@ def test_unknown_config_names_the_valid_ones():
     proc = codegen_cli("--arch", ARCH, "--only", "routing,no_such_kernel")  # fails before rendering anything
     assert proc.returncode != 0
     assert "no_such_kernel" in proc.stderr and "routing" in proc.stderr
+
+
+def test_probe_defines_are_checked_before_anything_is_rendered():
+    proc = codegen_cli("--arch", ARCH, "--define", "MC_PROBE_NO_MMA")
+    assert proc.returncode == 2 and "--out-dir" in proc.stderr
+    proc = codegen_cli("--arch", ARCH, "--define", "X;rm -rf", "--out-dir", "unused")
+    assert proc.returncode == 2 and "X;rm -rf" in proc.stderr
+    toolchain = Toolchain("nvcc", "", None, ())
+    flags = compile_flags(ARCH, toolchain, ["MC_PROBE_NO_CONVERT", "DEPTH=2"])
+    assert "-DMC_PROBE_NO_CONVERT" in flags and "-DDEPTH=2" in flags
+    with pytest.raises(render.ConfigError, match="NAME or NAME=VALUE"):
+        compile_flags(ARCH, toolchain, ["-O0"])
 
 
 def test_table_errors_are_clear(monkeypatch):
@@ -201,9 +214,21 @@ def test_routing_builds_then_hits_the_cache(tmp_path):
 
     lib = _lib.Library(library)  # loads without a GPU: the static cudart needs the driver only at first use
     assert lib.kernels == ["routing"]
+    assert json.loads(library.with_suffix(".manifest.json").read_text())["defines"] == []
     assert lib.call("mc_error_string", 0) == b"no error"
     assert lib.call("mc_expand_workspace_ints", 1, 8, 128) == 0
     assert lib.call("mc_expand_workspace_ints", 65536, 8, 128) == 512 * 128   # 1024-slot tiles
+
+
+def test_a_probe_build_is_marked_and_kept_apart(tmp_path):
+    gen = tmp_path / "generated"
+    render.write(render.render(ARCH), gen)
+    library = build(ARCH, only=["routing"], gen_dir=gen, out_dir=tmp_path / "probe", emit=lambda line: None,
+                    defines=["MC_PROBE_NO_CONVERT"])
+    assert json.loads(library.with_suffix(".manifest.json").read_text())["defines"] == ["MC_PROBE_NO_CONVERT"]
+    assert json.loads((tmp_path / "probe" / "build_report.json").read_text())["defines"] == ["MC_PROBE_NO_CONVERT"]
+    with pytest.warns(RuntimeWarning, match="probe build"):
+        _lib.Library(library)
 
 
 def _first_gemm(kind, tile_m=128):

@@ -112,7 +112,8 @@ def test_plan_splits_only_above_the_streaming_tiles():
 
     for per_expert in (1, 4, 8, 12):
         plan = _gemm.plan(per_expert * 128, 128)
-        assert plan == _gemm.single(_gemm.pick_config(1, per_expert * 128, 128))
+        tiles = {_gemm.tile_n(c) for c in plan.parts[0][:2]}
+        assert len(plan.parts) == 1 and tiles == {_gemm.tile_n(_gemm.pick_config(1, per_expert * 128, 128))}
     # the M = 1024 ridge: one part per expert size class, each expert's weights converted once
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(1024 * 4, 128).parts] == [64, 32]      # gpt-oss
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(1024 * 8, 128).parts] == [96, 64]      # qwen3
@@ -132,7 +133,14 @@ def test_split_parts_of_up_to_64_tokens_run_on_192_rows_where_the_library_holds_
         ("m128n128k128_coop",) * 2, ("m128n96k128_coop",) * 2, ("m192n64k128_coop",) * 2, ("m192n32k128_coop",) * 2]
     every = [f"moe_gemm1_{t}" for t in _gemm.SPLIT_TILES]   # a build without the 192-row tiles
     assert all("_m128" in c for part in _gemm.plan(4096 * 4, 128, available=every).parts for c in part[:2])
-    # the streaming tiles keep 128 rows; an explicit tall_tiles overrides the rule both ways
-    assert _gemm.plan(4 * 128, 128) == _gemm.single("moe_gemm1_m128n8k256_coop")
-    assert _gemm.plan(4 * 128, 128, tall_tiles=_gemm.BOTH_TALL) == _gemm.single("moe_gemm1_m192n8k128_coop")
+    # the 8-token tile runs on 192 rows from 1.5 rows per expert, the 16-token one keeps 128;
+    # an explicit tall_tiles overrides the rule both ways
+    assert _gemm.plan(64 * 4, 128) == _gemm.single("moe_gemm1_m192n8k256_coop")          # 2 rows per expert
+    assert _gemm.plan(32 * 4, 128) == _gemm.single("moe_gemm1_m128n8k256_coop")          # 1
+    assert _gemm.plan(64 * 4, 128, available=every + ["moe_gemm1_m128n8k256_coop"]) == _gemm.single(
+        "moe_gemm1_m128n8k256_coop")
+    assert _gemm.plan(256 * 4, 128) == _gemm.single("moe_gemm1_m128n16k256_coop")        # 8
+    assert _gemm.plan(64 * 4, 128, tall_tiles=_gemm.NO_TALL) == _gemm.single("moe_gemm1_m128n8k256_coop")
+    assert _gemm.plan(32 * 4, 128, tall_tiles=_gemm.BOTH_TALL) == _gemm.single("moe_gemm1_m192n8k256_coop")
+    assert _gemm.plan(256 * 4, 128, tall_tiles=_gemm.BOTH_TALL) == _gemm.single("moe_gemm1_m192n16k128_coop")
     assert all("_m128" in c for part in _gemm.plan(4096 * 4, 128, tall_tiles=_gemm.NO_TALL).parts for c in part[:2])

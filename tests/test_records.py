@@ -1,5 +1,7 @@
 """Evidence records (benchmarks/record.py, peers_record.py): the fields DESIGN.md section 5 asks for."""
 import json
+import sys
+from types import SimpleNamespace
 
 from benchmarks.peers_record import rows_of
 from benchmarks.record import write_record
@@ -20,6 +22,18 @@ def test_record_carries_the_required_fields(tmp_path, monkeypatch):
     assert {"commit", "date", "device", "command", "kind"} <= set(record)
     assert record["commit"] == "abc123" and record["kind"] == "bench" and record["device"] == "NVIDIA H200"
     assert path.parent == tmp_path and path.name.startswith("bench_")
+
+
+def test_a_record_of_a_probe_build_says_so(tmp_path, monkeypatch):
+    def library():
+        return SimpleNamespace(manifest={"defines": ["MC_PROBE_NO_MMA"]})
+
+    library.cache_info = lambda: SimpleNamespace(currsize=1)   # as functools.lru_cache reports a loaded library
+    monkeypatch.setitem(sys.modules, "moe_cutlass._lib", SimpleNamespace(library=library))
+    record = json.loads(write_record("profile", {"rows": []}, tmp_path).read_text())
+    assert record["probe_defines"] == ["MC_PROBE_NO_MMA"]
+    library.cache_info = lambda: SimpleNamespace(currsize=0)   # nothing loaded: an ordinary record
+    assert "probe_defines" not in json.loads(write_record("profile", {"rows": []}, tmp_path / "b").read_text())
 
 
 def test_peer_rows_become_bench_rows():

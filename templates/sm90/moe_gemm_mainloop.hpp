@@ -61,6 +61,15 @@
 //     but 1.3-5.6% faster at qwen3 M = 4-1024; an L2 prefetch of the same weights in their place
 //     did no better. Either early path costs the decode GEMMs ~1 us in plain stream order, through
 //     ptxas's schedule of the consumer (benchmarks/NOTES.md 2026-12-01 (9)).
+// 10. Half-tile register sets (Halves = 2) where two whole ones do not fit the registers: 192-row
+//     tiles (three consumer warpgroups, 152 registers each) with TileK 256, whose whole A set is 64
+//     registers. The GMMAs of half 0 run while half 1 is converted, those of half 1 while the next
+//     k tile's half 0 is; stages (barrier waits, releases) stay whole k tiles. Built for the 8-token
+//     tile only (codegen/configs.py). Layer kernel time of 192x8x256 against 128x8x256
+//     (profile_stages --tile, two rounds; benchmarks/NOTES.md 2026-12-01 (14)): -1.2..-3.6% from 1.5
+//     rows per expert on (M = 64: qwen3 -3.6%, gpt-oss -2.6%, dsv4-flash -2.8%, dsv3 -2.1%), mixed
+//     below (_gemm.plan, TALL_STREAM_MIN_ROWS). The same tile with whole sets (producer 24
+//     registers, consumers 160) spilled 480 bytes and ptxas serialized its GMMAs (C7512).
 //
 // Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
 // decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
@@ -128,6 +137,10 @@ struct Mxfp4MoeMainloop {
   static constexpr int Groups = TileK / 32;           // MX scale groups per k tile
   // accumulator chains per warpgroup (registers allow it for small N)
   static constexpr int NumAcc = TileN <= 16 ? 4 : (TileN <= 32 ? 2 : 1);
+  // A register sets hold half a k tile where two whole ones do not fit: three consumer warpgroups
+  // (152 registers each) with TileK 256 (64 registers per whole set).
+  static constexpr int Halves = (TileM == 192 && TileK == 256) ? 2 : 1;
+  static constexpr int KSet = KBlocks / Halves;       // k-blocks per register set
 
   // Element types. A: 4-bit container (our permuted e2m1 words); B: bf16 tokens.
   using ElementA = cutlass::uint4b_t;
@@ -444,13 +457,13 @@ struct Mxfp4MoeMainloop {
     auto mma_warpgroup_slice = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
     auto mma_thread_slice = tiled_mma.get_thread_slice(thread_idx);
     Tensor sA_dummy = make_tensor(make_smem_ptr(static_cast<ElementMma*>(nullptr)),
-                                  make_layout(make_shape(Int<TileM>{}, Int<TileK>{}), LayoutRight{}));
+                                  make_layout(make_shape(Int<TileM>{}, Int<TileK / Halves>{}), LayoutRight{}));
     Tensor tCrA0 = mma_thread_slice.partition_fragment_A(sA_dummy);    // (MMA,MMA_M,MMA_K) bf16 regs, set 0
     Tensor tCrA1 = mma_thread_slice.partition_fragment_A(sA_dummy);    // set 1
     Tensor tCsB = mma_warpgroup_slice.partition_B(sB);                   // (MMA,MMA_N,MMA_K,PIPE)
     Tensor tCrB = mma_warpgroup_slice.make_fragment_B(tCsB);
     static_assert(size<1>(decltype(tCrA0){}) == 1, "one M atom per warpgroup");
-    static_assert(size<2>(decltype(tCrA0){}) == KBlocks);
+    static_assert(size<2>(decltype(tCrA0){}) == KSet);
 
     // This thread's smem addresses: 16 bytes per 64-K unit; two scale rows per group.
     uint8_t const* sA_bytes = shared_tensors.smem_A.data();
@@ -459,30 +472,32 @@ struct Mxfp4MoeMainloop {
     int const a_off = slab * 2048 * UnitsPerTile + wg_thread * 16;         // conflict-free 128-bit loads
     int const row0 = slab * 64 + (wg_thread / 32) * 16 + (wg_thread % 32) / 4;   // rows row0, row0+8
 
-    // Loads stage `stage` (A words + scales) and converts the whole k tile into `frag`. The scale
-    // path is fixed per weight tensor (one branch per call, around the whole k loop; no per-byte
-    // tests): kSlow multiplies twice.
-    auto convert_tile = [&](auto slow, int stage, auto& frag) {
+    // Loads stage `stage` (A words + scales) and converts half `half` of the k tile (the whole
+    // tile when Halves is 1) into `frag`. The scale path is fixed per weight tensor (one branch
+    // per call, around the whole k loop; no per-byte tests): kSlow multiplies twice.
+    auto convert_tile = [&](auto slow, int stage, auto& frag, auto half) {
       constexpr bool kSlow = decltype(slow)::value;
-      uint32_t words[KBlocks];
+      constexpr int kU0 = decltype(half)::value * UnitsPerTile / Halves;
+      constexpr int kG0 = decltype(half)::value * Groups / Halves;
+      uint32_t words[KSet];
       CUTLASS_PRAGMA_UNROLL
-      for (int u = 0; u < UnitsPerTile; ++u) {
-        uint4 v = *reinterpret_cast<uint4 const*>(sA_bytes + stage * TmaBytesA + a_off + u * 2048);
+      for (int u = 0; u < UnitsPerTile / Halves; ++u) {
+        uint4 v = *reinterpret_cast<uint4 const*>(sA_bytes + stage * TmaBytesA + a_off + (kU0 + u) * 2048);
         words[4 * u + 0] = v.x; words[4 * u + 1] = v.y; words[4 * u + 2] = v.z; words[4 * u + 3] = v.w;
       }
-      uint32_t sc[Groups][2];
+      uint32_t sc[Groups / Halves][2];
       CUTLASS_PRAGMA_UNROLL
-      for (int g = 0; g < Groups; ++g) {
-        uint8_t const* sp = sS_bytes + stage * TmaBytesS + g * TileM + row0;
+      for (int g = 0; g < Groups / Halves; ++g) {
+        uint8_t const* sp = sS_bytes + stage * TmaBytesS + (kG0 + g) * TileM + row0;
         CUTLASS_PRAGMA_UNROLL
         for (int h = 0; h < 2; ++h) {
           uint32_t const sb = sp[8 * h];
           sc[g][h] = kSlow ? mc_e8m0_to_bf16x2(sb) : mc_scale_fast(sb);
         }
       }
-      Tensor frag_u32 = recast<uint32_t>(frag);                          // (4,1,KBlocks)
+      Tensor frag_u32 = recast<uint32_t>(frag);                          // (4,1,KSet)
       CUTLASS_PRAGMA_UNROLL
-      for (int kb = 0; kb < KBlocks; ++kb) {
+      for (int kb = 0; kb < KSet; ++kb) {
 #ifdef MC_PROBE_NO_CONVERT   // development probe only: measures the pipeline without the converter
         frag_u32(0, 0, kb) = words[kb];
         frag_u32(1, 0, kb) = words[kb] ^ sc[kb / 2][0];
@@ -521,59 +536,142 @@ struct Mxfp4MoeMainloop {
     if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
     if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
     bool first = true;
+#ifdef MC_PROBE_NO_MMA
+    uint32_t probe_sink = 0;
+#endif
+    using H0 = cute::integral_constant<int, 0>;
+    using H1 = cute::integral_constant<int, 1>;
+    // The GMMAs of half `half` of the k tile in `stage` (the whole tile when Halves is 1) on `frag`.
+    auto gemms = [&](auto& frag, int stage, auto half) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < KSet; ++j) {
+        int const kb = decltype(half)::value * KSet + j;   // k-block of the tile
+#ifdef MC_PROBE_NO_MMA   // development probe only: the pipeline without tensor-core work; the converted
+                         // fragments feed a sink instead, or the compiler drops the conversion as well
+        {
+          Tensor f = recast<uint32_t>(frag);
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < 4; ++i) probe_sink ^= f(i, 0, j);
+        }
+        if (kb >= 0) continue;
+#endif
+        if (kb % NumAcc == 0) {
+          cute::gemm(tiled_mma, frag(_, _, j), tCrB(_, _, kb, stage), accum);
+        } else if (kb % NumAcc == 1) {
+          cute::gemm(tiled_mma, frag(_, _, j), tCrB(_, _, kb, stage), acc1);
+        } else if (kb % NumAcc == 2) {
+          cute::gemm(tiled_mma, frag(_, _, j), tCrB(_, _, kb, stage), acc2);
+        } else {
+          cute::gemm(tiled_mma, frag(_, _, j), tCrB(_, _, kb, stage), acc3);
+        }
+      }
+    };
+    // The same with the fences, one arrive and one commit (the half-tile schedule).
+    auto issue = [&](auto& frag, int stage, auto half) {
+      warpgroup_fence_operand(frag);
+      warpgroup_fence_operand(accum);
+      if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
+      if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
+      warpgroup_arrive();
+      gemms(frag, stage, half);
+      warpgroup_commit_batch();
+    };
+    auto wait_gmmas = [&]() {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accum);
+      if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
+      if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
+    };
+    auto first_done = [&]() {
+      if (first) {
+        after_first_tile();
+        first = false;
+      }
+    };
     auto run = [&](auto slow) {
       {
         auto token = pipeline.consumer_try_wait(smem_pipe_read);
         pipeline.consumer_wait(smem_pipe_read, token);
-        convert_tile(slow, smem_pipe_read.index(), tCrA0);
+        convert_tile(slow, smem_pipe_read.index(), tCrA0, H0{});
       }
-      auto step = [&](auto& frag_now, auto& frag_next) {
-        int const stage = smem_pipe_read.index();
-        warpgroup_fence_operand(frag_now);
-        warpgroup_fence_operand(accum);
-        if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
-        if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
-        warpgroup_arrive();
-        CUTLASS_PRAGMA_UNROLL
-        for (int kb = 0; kb < KBlocks; ++kb) {
-#ifdef MC_PROBE_NO_MMA   // development probe only: the pipeline without tensor-core work
-          if (kb >= 0) continue;
+      if constexpr (Halves == 1) {
+        auto step = [&](auto& frag_now, auto& frag_next) {
+          int const stage = smem_pipe_read.index();
+          warpgroup_fence_operand(frag_now);
+          warpgroup_fence_operand(accum);
+          if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
+          if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
+          warpgroup_arrive();
+          // the GMMA loop of gemms() below, written out: called through the lambda, ptxas scheduled
+          // the other tiles' consumers differently (SASS diffs in 7 of 26 GEMM kernels)
+          CUTLASS_PRAGMA_UNROLL
+          for (int kb = 0; kb < KBlocks; ++kb) {
+#ifdef MC_PROBE_NO_MMA
+            {
+              Tensor f = recast<uint32_t>(frag_now);
+              CUTLASS_PRAGMA_UNROLL
+              for (int i = 0; i < 4; ++i) probe_sink ^= f(i, 0, kb);
+            }
+            if (kb >= 0) continue;
 #endif
-          if (kb % NumAcc == 0) {
-            cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), accum);
-          } else if (kb % NumAcc == 1) {
-            cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc1);
-          } else if (kb % NumAcc == 2) {
-            cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc2);
-          } else {
-            cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc3);
+            if (kb % NumAcc == 0) {
+              cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), accum);
+            } else if (kb % NumAcc == 1) {
+              cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc1);
+            } else if (kb % NumAcc == 2) {
+              cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc2);
+            } else {
+              cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc3);
+            }
           }
+          warpgroup_commit_batch();
+          ++smem_pipe_read;
+          if (k_tile_count > 1) {
+            auto token = pipeline.consumer_try_wait(smem_pipe_read);
+            pipeline.consumer_wait(smem_pipe_read, token);
+            convert_tile(slow, smem_pipe_read.index(), frag_next, H0{});
+          }
+          if (first) {
+            after_first_tile();
+            first = false;
+          }
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(accum);
+          if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
+          if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
+          pipeline.consumer_release(smem_pipe_release);
+          ++smem_pipe_release;
+          --k_tile_count;
+        };
+        CUTLASS_PRAGMA_NO_UNROLL
+        while (true) {
+          step(tCrA0, tCrA1);
+          if (k_tile_count == 0) break;
+          step(tCrA1, tCrA0);
+          if (k_tile_count == 0) break;
         }
-        warpgroup_commit_batch();
-        ++smem_pipe_read;
-        if (k_tile_count > 1) {
-          auto token = pipeline.consumer_try_wait(smem_pipe_read);
-          pipeline.consumer_wait(smem_pipe_read, token);
-          convert_tile(slow, smem_pipe_read.index(), frag_next);
+      } else {
+        // Half tiles: the GMMAs of half 0 (set 0) run while half 1 is converted into set 1, those
+        // of half 1 while the next tile's half 0 is converted into set 0.
+        CUTLASS_PRAGMA_NO_UNROLL
+        while (true) {
+          int const stage = smem_pipe_read.index();
+          issue(tCrA0, stage, H0{});
+          convert_tile(slow, stage, tCrA1, H1{});
+          first_done();
+          wait_gmmas();
+          issue(tCrA1, stage, H1{});
+          ++smem_pipe_read;
+          if (k_tile_count > 1) {
+            auto token = pipeline.consumer_try_wait(smem_pipe_read);
+            pipeline.consumer_wait(smem_pipe_read, token);
+            convert_tile(slow, smem_pipe_read.index(), tCrA0, H0{});
+          }
+          wait_gmmas();
+          pipeline.consumer_release(smem_pipe_release);
+          ++smem_pipe_release;
+          if (--k_tile_count == 0) break;
         }
-        if (first) {
-          after_first_tile();
-          first = false;
-        }
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(accum);
-        if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
-        if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
-        pipeline.consumer_release(smem_pipe_release);
-        ++smem_pipe_release;
-        --k_tile_count;
-      };
-      CUTLASS_PRAGMA_NO_UNROLL
-      while (true) {
-        step(tCrA0, tCrA1);
-        if (k_tile_count == 0) break;
-        step(tCrA1, tCrA0);
-        if (k_tile_count == 0) break;
       }
     };
     if (p.slow_scales) {
@@ -581,6 +679,9 @@ struct Mxfp4MoeMainloop {
     } else {
       run(cute::false_type{});
     }
+#ifdef MC_PROBE_NO_MMA
+    if (probe_sink == 0x9E3779B9u) accum(0) += 1.0f;
+#endif
     if constexpr (NumAcc == 2) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(accum); ++i) accum(i) += acc1(i);
