@@ -602,8 +602,9 @@ struct Mxfp4MoeMainloop {
           if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
           if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
           warpgroup_arrive();
-          // the GMMA loop of gemms() below, written out: called through the lambda, ptxas scheduled
-          // the other tiles' consumers differently (SASS diffs in 7 of 26 GEMM kernels)
+          // gemms() above, written out: called through the lambda, ptxas scheduled the consumers of
+          // 128x16x256 and 128x32x256 differently; written out, every whole-set tile's SASS is the
+          // one measured before half sets existed
           CUTLASS_PRAGMA_UNROLL
           for (int kb = 0; kb < KBlocks; ++kb) {
 #ifdef MC_PROBE_NO_MMA
