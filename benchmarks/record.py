@@ -32,10 +32,9 @@ def device_name() -> str:
 
 def probe_defines() -> list:
     """The macros of a probe build (python -m codegen --define) when the process loaded one, else []."""
-    lib = sys.modules.get("moe_cutlass._lib")
-    if lib is None or lib.library.cache_info().currsize == 0:
-        return []
-    return list(lib.library().manifest.get("defines", []))
+    lib = sys.modules.get("moe_cutlass._lib")   # not imported: no kernels ran in this process
+    library = lib.loaded() if lib is not None else None
+    return library.defines if library is not None else []
 
 
 def write_record(kind: str, payload: dict, out_dir=None) -> Path:

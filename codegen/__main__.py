@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .build import DEFINE_RE, BuildError, build
+from .build import BuildError, build, check_defines
 from .configs import KERNELS
 from .render import ConfigError, configs_for, render_to_disk
 from .toolchain import ToolchainError
@@ -39,9 +39,7 @@ def main(argv=None) -> int:
             raise ConfigError("-j must be at least 1")
         if args.define and not args.out_dir:
             raise ConfigError("--define needs --out-dir: a probe library must not replace build/<arch>'s")
-        bad = [d for d in args.define if not DEFINE_RE.fullmatch(d)]
-        if bad:
-            raise ConfigError(f"--define {bad[0]!r} is not NAME or NAME=VALUE (letters, digits, _ . + -)")
+        check_defines(args.define)   # before rendering anything
         if not args.build_only:
             unknown = sorted(set(only or ()) - {cfg.name for cfg in configs_for(args.arch)})
             if unknown:

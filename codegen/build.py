@@ -41,11 +41,15 @@ class BuildError(RuntimeError):
 DEFINE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?")
 
 
-def compile_flags(arch: str, toolchain: Toolchain, defines=()) -> list:
-    includes = [templates_dir(arch), *toolchain.cutlass_includes]
+def check_defines(defines) -> None:
     bad = [d for d in defines if not DEFINE_RE.fullmatch(d)]
     if bad:
         raise ConfigError(f"--define {bad[0]!r} is not NAME or NAME=VALUE (letters, digits, _ . + -)")
+
+
+def compile_flags(arch: str, toolchain: Toolchain, defines=()) -> list:
+    includes = [templates_dir(arch), *toolchain.cutlass_includes]
+    check_defines(defines)
     return [*COMPILE_FLAGS, *ARCH_FLAGS[arch], *(f"-D{d}" for d in defines), *(f"-I{d}" for d in includes)]
 
 

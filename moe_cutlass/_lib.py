@@ -53,12 +53,17 @@ class Library:
                                   f"`python -m codegen --arch {ARCH}`")
         self.path = path
         self.manifest = json.loads(manifest_path.read_text())
-        if self.manifest.get("defines"):
-            warnings.warn(f"{path} is a probe build (macros {', '.join(self.manifest['defines'])}): its kernels "
+        if self.defines:
+            warnings.warn(f"{path} is a probe build (macros {', '.join(self.defines)}): its kernels "
                           "may skip work and return wrong results", RuntimeWarning, stacklevel=2)
         self._dll = ctypes.CDLL(str(path))
         self.signatures = {fn["name"]: fn for k in self.manifest["kernels"] for fn in k["functions"]}
         self._functions = {}
+
+    @property
+    def defines(self) -> list:
+        """The macros of a probe build (python -m codegen --define), [] for a real library."""
+        return list(self.manifest.get("defines", []))
 
     @property
     def kernels(self) -> list:
@@ -102,6 +107,11 @@ def library() -> Library:
         raise LibraryNotFound(f"moe_cutlass kernel library not found at {path} ({source}); build it with "
                               f"`python -m codegen --arch {ARCH}` in the repository, or set {ENV_VAR}")
     return Library(path)
+
+
+def loaded() -> Library | None:
+    """The library if this process has loaded it, else None (never loads it)."""
+    return library() if library.cache_info().currsize else None
 
 
 def call(symbol: str, *args):

@@ -228,7 +228,16 @@ def test_a_probe_build_is_marked_and_kept_apart(tmp_path):
     assert json.loads(library.with_suffix(".manifest.json").read_text())["defines"] == ["MC_PROBE_NO_CONVERT"]
     assert json.loads((tmp_path / "probe" / "build_report.json").read_text())["defines"] == ["MC_PROBE_NO_CONVERT"]
     with pytest.warns(RuntimeWarning, match="probe build"):
-        _lib.Library(library)
+        assert _lib.Library(library).defines == ["MC_PROBE_NO_CONVERT"]
+
+
+def test_loaded_never_loads_the_library(monkeypatch, tmp_path):
+    monkeypatch.setenv(_lib.ENV_VAR, str(tmp_path / "missing.so"))
+    _lib.library.cache_clear()
+    try:
+        assert _lib.loaded() is None   # would raise LibraryNotFound if it tried
+    finally:
+        _lib.library.cache_clear()
 
 
 def _first_gemm(kind, tile_m=128):

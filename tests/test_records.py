@@ -25,14 +25,11 @@ def test_record_carries_the_required_fields(tmp_path, monkeypatch):
 
 
 def test_a_record_of_a_probe_build_says_so(tmp_path, monkeypatch):
-    def library():
-        return SimpleNamespace(manifest={"defines": ["MC_PROBE_NO_MMA"]})
-
-    library.cache_info = lambda: SimpleNamespace(currsize=1)   # as functools.lru_cache reports a loaded library
-    monkeypatch.setitem(sys.modules, "moe_cutlass._lib", SimpleNamespace(library=library))
+    lib = SimpleNamespace(loaded=lambda: SimpleNamespace(defines=["MC_PROBE_NO_MMA"]))
+    monkeypatch.setitem(sys.modules, "moe_cutlass._lib", lib)
     record = json.loads(write_record("profile", {"rows": []}, tmp_path).read_text())
     assert record["probe_defines"] == ["MC_PROBE_NO_MMA"]
-    library.cache_info = lambda: SimpleNamespace(currsize=0)   # nothing loaded: an ordinary record
+    lib.loaded = lambda: None   # nothing loaded: an ordinary record
     assert "probe_defines" not in json.loads(write_record("profile", {"rows": []}, tmp_path / "b").read_text())
 
 

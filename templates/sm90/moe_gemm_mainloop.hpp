@@ -541,8 +541,14 @@ struct Mxfp4MoeMainloop {
 #endif
     using H0 = cute::integral_constant<int, 0>;
     using H1 = cute::integral_constant<int, 1>;
-    // The GMMAs of half `half` of the k tile in `stage` (the whole tile when Halves is 1) on `frag`.
-    auto gemms = [&](auto& frag, int stage, auto half) {
+    // The GMMAs of half `half` of the k tile in `stage` on `frag`, one arrive and one commit (the
+    // half-tile schedule; the whole-set step below writes the same loop out).
+    auto issue = [&](auto& frag, int stage, auto half) {
+      warpgroup_fence_operand(frag);
+      warpgroup_fence_operand(accum);
+      if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
+      if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
+      warpgroup_arrive();
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < KSet; ++j) {
         int const kb = decltype(half)::value * KSet + j;   // k-block of the tile
@@ -565,15 +571,6 @@ struct Mxfp4MoeMainloop {
           cute::gemm(tiled_mma, frag(_, _, j), tCrB(_, _, kb, stage), acc3);
         }
       }
-    };
-    // The same with the fences, one arrive and one commit (the half-tile schedule).
-    auto issue = [&](auto& frag, int stage, auto half) {
-      warpgroup_fence_operand(frag);
-      warpgroup_fence_operand(accum);
-      if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
-      if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
-      warpgroup_arrive();
-      gemms(frag, stage, half);
       warpgroup_commit_batch();
     };
     auto wait_gmmas = [&]() {
@@ -581,12 +578,6 @@ struct Mxfp4MoeMainloop {
       warpgroup_fence_operand(accum);
       if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
       if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
-    };
-    auto first_done = [&]() {
-      if (first) {
-        after_first_tile();
-        first = false;
-      }
     };
     auto run = [&](auto slow) {
       {
@@ -602,9 +593,9 @@ struct Mxfp4MoeMainloop {
           if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
           if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
           warpgroup_arrive();
-          // gemms() above, written out: called through the lambda, ptxas scheduled the consumers of
-          // 128x16x256 and 128x32x256 differently; written out, every whole-set tile's SASS is the
-          // one measured before half sets existed
+          // issue() above, written out: called through a lambda, this loop got other schedules from
+          // ptxas for 128x16x256 and 128x32x256; written out, every whole-set tile's SASS is the one
+          // measured before half sets existed
           CUTLASS_PRAGMA_UNROLL
           for (int kb = 0; kb < KBlocks; ++kb) {
 #ifdef MC_PROBE_NO_MMA
@@ -659,7 +650,10 @@ struct Mxfp4MoeMainloop {
           int const stage = smem_pipe_read.index();
           issue(tCrA0, stage, H0{});
           convert_tile(slow, stage, tCrA1, H1{});
-          first_done();
+          if (first) {
+            after_first_tile();
+            first = false;
+          }
           wait_gmmas();
           issue(tCrA1, stage, H1{});
           ++smem_pipe_read;
