@@ -12,7 +12,8 @@ places, bench_20261201T033808Z: the GPU's clocks drift within a row.) A candidat
 launch per GEMM over every row, the same tile for both GEMMs), "plan", what fused_moe runs
 (_gemm.plan: one tile, or parts whose tile the device picks per expert), or "plan-tXY", the plan
 with GEMM1's / GEMM2's tiles of up to 64 tokens in their 192-row versions where X / Y is 1, or
-"split-128+96+64+32+16", the plan with split_plan combining those token tiles instead of SPLIT_TILES. The
+"split-128+96+64+32+16", the plan with split_plan combining those token tiles instead of SPLIT_TILES, or
+"exact-m192n128k128+m128n96k128+...", the split plan of exactly those tiles (no 192-row mapping). The
 record ("kind": "bench") holds one row per (shape, M, candidate) with "tile" (for "plan", the
 plan's tiles, e.g. "plan:n128+n64+n32") and "picked" (the candidate fused_moe runs).
 """
@@ -56,9 +57,11 @@ def candidate(tile, M, k, E, available=None):
     if tile.startswith("plan-t"):
         forced = _gemm.plan(M * k, E, available, tall_tiles=(tile[-2] == "1", tile[-1] == "1"))
         return f"{tile}:{label(forced)}", forced, False
-    if tile.startswith("split-"):
-        forced = _gemm.plan(M * k, E, available, split_tiles=split_tiles(tile))
-        return f"{tile}:{label(forced)}", forced, label(forced) == label(rule)
+    if tile.startswith("split-") or tile.startswith("exact-"):
+        exact = tile.startswith("exact-")
+        forced = _gemm.plan(M * k, E, available, tall_tiles=(False, False) if exact else None,
+                            split_tiles=exact_tiles(tile) if exact else split_tiles(tile))
+        return f"{'exact' if exact else tile}:{label(forced)}", forced, label(forced) == label(rule)
     forced = one_tile(tile)
     return tile, forced, label(forced) == label(rule)
 
@@ -67,6 +70,11 @@ def split_tiles(candidate):
     """The split plan's tiles of a "split-128+96+64+32+16" candidate: 128-row tiles, TileK 128 from
     96 tokens up and 256 below (as SPLIT_TILES; plan() moves those of up to 64 tokens to 192 rows)."""
     return tuple(f"m128n{n}k{128 if n >= 96 else 256}_coop" for n in map(int, candidate[len("split-"):].split("+")))
+
+
+def exact_tiles(candidate):
+    """The split plan's tiles of an "exact-m192n128k128+m128n96k128" candidate, as named."""
+    return tuple(f"{t}_coop" for t in candidate[len("exact-"):].split("+"))
 
 
 def one_tile(tile):

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import moe_cutlass as mc
 from moe_cutlass import _gemm, ops
-from benchmarks.ab_tiles import one_tile, split_tiles
+from benchmarks.ab_tiles import exact_tiles, one_tile, split_tiles
 from benchmarks.bench_moe import CONFIGS, Timer, floor_bytes, measure_floors, random_batch, random_experts
 from benchmarks.record import write_record
 
@@ -88,7 +88,8 @@ def profile_config(name, tokens, reps, gen):
 def plan_override(tall=None, tile=None):
     """What replaces _gemm.plan for --tall XY (the rule with its tiles of up to 64 tokens on 192 rows
     where X / Y is 1) or --tile T (one tile for every call, or a "split-128+96+64+32+16" candidate: the
-    rule with split_plan combining those token tiles), or None for the rule itself."""
+    rule with split_plan combining those token tiles, or an "exact-m192n128k128+..." one: the split
+    plan of exactly those tiles), or None for the rule itself."""
     if tall is not None and tile is not None:
         raise ValueError("--tall and --tile exclude each other")
     if tall is not None:
@@ -97,6 +98,8 @@ def plan_override(tall=None, tile=None):
         return functools.partial(_gemm.plan, tall_tiles=(tall[0] == "1", tall[1] == "1"))
     if tile is not None and tile.startswith("split-"):
         return functools.partial(_gemm.plan, split_tiles=split_tiles(tile))
+    if tile is not None and tile.startswith("exact-"):
+        return functools.partial(_gemm.plan, tall_tiles=(False, False), split_tiles=exact_tiles(tile))
     if tile is not None:
         forced = one_tile(tile)
         return lambda *a, **kw: forced

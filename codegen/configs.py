@@ -45,13 +45,16 @@ ARCH_FLAGS = {
 # 192x8x256: the 8-token tile with TileK 256 on three consumer warpgroups, its A register sets holding
 # half a k tile each (moe_gemm_mainloop.hpp, 10.); _gemm.plan takes it from 1.5 rows per expert.
 # 192x16x256 measured a tie with 128x16x256 (M = 256, all four shapes) and is not built.
+# 192x96x128 / 192x128x128 (half-tile register sets too): GEMM1's prefill parts (_gemm.TALL_TILES_GEMM1).
+# 128x48x256 / 192x48x128 (a 48-token split part) measured no gain twice and are not built
+# (benchmarks/NOTES.md 2026-12-01 (11) and (15)).
 # A/B'd and dropped (benchmarks/results/raw/profile_20261201T0543*Z_libe_*coop2.json): 128x8x128 and
 # 128x16x128 with two CTAs per SM (four consumer warps per scheduler, 104 registers each) against
 # 128x8x256 / 128x16x256: gpt-oss M = 4 GEMM1 -15%, M = 64 -4%, but M = 16 +6%, dsv3 +10..+18%,
 # qwen3 M = 4 GEMM1 +20%.
 SM90_GEMM_TILES = ((128, 32, 128), (128, 64, 128), (128, 96, 128), (128, 128, 128), (128, 16, 256), (128, 8, 256),
                    (128, 32, 256), (128, 64, 256), (192, 8, 128), (192, 16, 128), (192, 32, 128), (192, 64, 128),
-                   (192, 8, 256))
+                   (192, 8, 256), (192, 96, 128), (192, 128, 128))
 
 
 def _gemm_configs(tiles) -> list:

@@ -143,13 +143,20 @@ def split_plan(rows: int, num_experts: int, tiles=None) -> Plan:
 TALL_TILES = {"m128n8k256_coop": "m192n8k256_coop", "m128n16k256_coop": "m192n16k128_coop",
               "m128n32k256_coop": "m192n32k128_coop", "m128n64k256_coop": "m192n64k128_coop"}
 TALL_STREAM_MIN_ROWS = 1.5
+# GEMM1's 96/128-token split parts run on 192 rows too (half-tile register sets, moe_gemm_mainloop.hpp
+# 10.): GEMM1 device time against 128 rows, each twice in one session (benchmarks/results/raw/
+# profile_20261201T1538*Z_prefill_*rows.json), M = 2048 / 4096 / 16384: qwen3 -5.8 / -3.7 / -7.5%
+# (M = 1024, its 96-token part: -5.2%), gpt-oss -2.4 / -5.2 / -7.9%, dsv4-flash +0.7 / -5.2 / -0.5%,
+# dsv3 -2.5 / -2.6 / -1.8%. GEMM2's moved -2.2..+3.0% (dsv4-flash M = 16384 +3.0%) and stay on 128 rows.
+TALL_TILES_GEMM1 = {**TALL_TILES, "m128n96k128_coop": "m192n96k128_coop", "m128n128k128_coop": "m192n128k128_coop"}
 BOTH_TALL, NO_TALL = (True, True), (False, False)
 
 
 def tall(config: str, on: bool, available=None) -> str:
-    """config, or its 192-row version (TALL_TILES) when `on` and the library holds it."""
+    """config, or its 192-row version (TALL_TILES; GEMM1: TALL_TILES_GEMM1) when `on` and the library holds it."""
     head = config[:len("moe_gemm1_")]
-    other = head + TALL_TILES.get(config[len(head):], config[len(head):]) if on else config
+    table = TALL_TILES_GEMM1 if head == "moe_gemm1_" else TALL_TILES
+    other = head + table.get(config[len(head):], config[len(head):]) if on else config
     return other if available is None or other.replace("moe_gemm2_", "moe_gemm1_", 1) in available else config
 
 
@@ -160,8 +167,9 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
     SPLIT_MIN_ROWS rows per expert (streaming tiles; the 8-token one on 192 rows from
     TALL_STREAM_MIN_ROWS rows per expert) and for batch_invariant (whose bits must not depend on
     which part a row lands in), split_plan's parts above, their tiles of up to 64 tokens on 192
-    rows (TALL_TILES). tall_tiles = (GEMM1, GEMM2) overrides where the tiles of up to 64
-    tokens run on 192 rows (for A/B; not with batch_invariant); split_tiles overrides SPLIT_TILES (for A/B)."""
+    rows (TALL_TILES), GEMM1's larger ones too (TALL_TILES_GEMM1). tall_tiles = (GEMM1, GEMM2)
+    overrides which GEMM's tiles run on 192 rows (for A/B; not with batch_invariant); split_tiles
+    overrides SPLIT_TILES (for A/B)."""
     per_expert = rows / max(1, num_experts)
     if batch_invariant or per_expert <= SPLIT_MIN_ROWS:
         config = pick_config(1, rows, num_experts, available, batch_invariant)

@@ -1,5 +1,5 @@
 """benchmarks/ab_tiles.py: the candidates' interleaving (the timing itself runs on the H200 only)."""
-from benchmarks.ab_tiles import candidate, interleaved_us, label, split_tiles
+from benchmarks.ab_tiles import candidate, exact_tiles, interleaved_us, label, split_tiles
 from moe_cutlass import _gemm
 
 
@@ -27,7 +27,7 @@ def test_candidates_keep_their_own_times():
 def test_labels_keep_a_192_row_tile_apart():
     assert label(_gemm.single("moe_gemm1_m128n64k256_coop")) == "n64k256"
     assert label(_gemm.single("moe_gemm1_m192n64k128_coop")) == "m192n64k128"
-    assert label(_gemm.plan(4096 * 4, 128)) == "plan:n128+n96+n64t+n32t"
+    assert label(_gemm.plan(4096 * 4, 128)) == "plan:n128t/n128+n96t/n96+n64t+n32t"
     assert label(_gemm.plan(4096 * 4, 128, tall_tiles=_gemm.NO_TALL)) == "plan:n128+n96+n64+n32"
 
 
@@ -44,6 +44,14 @@ def test_plan_variants_force_the_192_row_tiles_per_gemm():
     assert [(c1, c2) for c1, c2, _, _ in forced.parts] == [
         ("moe_gemm1_m128n64k256_coop", "moe_gemm2_m192n64k128_coop"),
         ("moe_gemm1_m128n32k256_coop", "moe_gemm2_m192n32k128_coop")]
+
+
+def test_exact_candidates_run_the_tiles_they_name():
+    name, forced, picked = candidate("exact-m128n128k128+m128n96k128+m192n64k128+m192n32k128", 4096, 4, 128)
+    assert not picked and name == "exact:plan:n128+n96+n64t+n32t"
+    assert [(c1, c2) for c1, c2, _, _ in forced.parts] == [
+        (f"moe_gemm1_{t}_coop", f"moe_gemm2_{t}_coop") for t in ("m128n128k128", "m128n96k128", "m192n64k128", "m192n32k128")]
+    assert exact_tiles("exact-m192n128k128+m128n32k256") == ("m192n128k128_coop", "m128n32k256_coop")
 
 
 def test_split_candidates_combine_the_token_tiles_they_name():

@@ -125,12 +125,17 @@ def test_plan_splits_only_above_the_streaming_tiles():
     assert _gemm.plan(4096 * 4, 128, available=only) == _gemm.single("moe_gemm1_m128n128k128_coop")
 
 
-def test_split_parts_of_up_to_64_tokens_run_on_192_rows_where_the_library_holds_them():
+def test_split_parts_run_on_192_rows_where_the_library_holds_them():
     from moe_cutlass import _gemm
 
+    # GEMM1's parts all on 192 rows, GEMM2's of up to 64 tokens
     parts = _gemm.plan(4096 * 4, 128).parts
     assert [(c1[len("moe_gemm1_"):], c2[len("moe_gemm2_"):]) for c1, c2, _, _ in parts] == [
-        ("m128n128k128_coop",) * 2, ("m128n96k128_coop",) * 2, ("m192n64k128_coop",) * 2, ("m192n32k128_coop",) * 2]
+        ("m192n128k128_coop", "m128n128k128_coop"), ("m192n96k128_coop", "m128n96k128_coop"),
+        ("m192n64k128_coop",) * 2, ("m192n32k128_coop",) * 2]
+    assert [p[2:] for p in parts] == [p[2:] for p in _gemm.split_plan(4096 * 4, 128).parts]
+    no_wide = [f"moe_gemm1_{t}" for t in (*_gemm.SPLIT_TILES, *_gemm.TALL_TILES.values())]
+    assert [_gemm.tile_n(p[0]) for p in _gemm.plan(4096 * 4, 128, available=no_wide).parts if "_m192" in p[0]] == [64, 32]
     every = [f"moe_gemm1_{t}" for t in _gemm.SPLIT_TILES]   # a build without the 192-row tiles
     assert all("_m128" in c for part in _gemm.plan(4096 * 4, 128, available=every).parts for c in part[:2])
     # the 8-token tile runs on 192 rows from 1.5 rows per expert, the 16-token one keeps 128;

@@ -35,3 +35,10 @@ def test_a_split_candidate_keeps_the_rule_with_other_split_tiles():
     forced = plan_override(tile="split-128+96+64+32+16")(rows, experts)
     assert [_gemm.tile_n(part[0]) for part in forced.parts] == [64, 32, 16]
     assert forced != _gemm.plan(rows, experts)
+
+
+def test_an_exact_candidate_runs_its_tiles_as_named():
+    rows, experts = 4096 * 4, 128   # gpt-oss M = 4096: parts of 128 / 96 / 64 / 32 tokens
+    forced = plan_override(tile="exact-m128n128k128+m128n96k128+m128n64k256+m128n32k256")(rows, experts)
+    assert all("_m128" in c for part in forced.parts for c in part[:2])
+    assert [part[2:] for part in forced.parts] == [part[2:] for part in _gemm.plan(rows, experts).parts]

@@ -63,13 +63,18 @@
 //     ptxas's schedule of the consumer (benchmarks/NOTES.md 2026-12-01 (9)).
 // 10. Half-tile register sets (Halves = 2) where two whole ones do not fit the registers: 192-row
 //     tiles (three consumer warpgroups, 152 registers each) with TileK 256, whose whole A set is 64
-//     registers. The GMMAs of half 0 run while half 1 is converted, those of half 1 while the next
-//     k tile's half 0 is; stages (barrier waits, releases) stay whole k tiles. Built for the 8-token
-//     tile only (codegen/configs.py). Layer kernel time of 192x8x256 against 128x8x256
-//     (profile_stages --tile, two rounds; benchmarks/NOTES.md 2026-12-01 (14)): -1.2..-3.6% from 1.5
-//     rows per expert on (M = 64: qwen3 -3.6%, gpt-oss -2.6%, dsv4-flash -2.8%, dsv3 -2.1%), mixed
-//     below (_gemm.plan, TALL_STREAM_MIN_ROWS). The same tile with whole sets (producer 24
-//     registers, consumers 160) spilled 480 bytes and ptxas serialized its GMMAs (C7512).
+//     registers, or with 96/128 tokens, whose accumulators take 48/64. The GMMAs of half 0 run while
+//     half 1 is converted, those of half 1 while the next k tile's half 0 is; stages (barrier waits,
+//     releases) stay whole k tiles. With whole sets ptxas spilled (192x8x256: 480 bytes with the
+//     producer at 24 registers and the consumers at 160; 192x128x128: 160-460) and serialized the
+//     GMMAs (C7512); with half sets 0 spills and no note.
+//     192x8x256 against 128x8x256, layer kernel time (profile_stages --tile, two rounds;
+//     benchmarks/NOTES.md 2026-12-01 (14)): -1.2..-3.6% from 1.5 rows per expert on (M = 64: qwen3
+//     -3.6%, gpt-oss -2.6%, dsv4-flash -2.8%, dsv3 -2.1%), mixed below (_gemm.plan, TALL_STREAM_MIN_ROWS).
+//     192x96x128 and 192x128x128 against 128 rows in the split plan's prefill parts, GEMM1 device
+//     time, each twice in one session (NOTES.md 2026-12-01 (15)), M = 2048-16384: qwen3 -3.7..-7.5%,
+//     gpt-oss -2.4..-7.9%, dsv4-flash -5.2% at M = 4096 and within 1% elsewhere, dsv3 -1.8..-2.6%;
+//     GEMM2 -2.2..+3.0%, so only GEMM1 takes them (_gemm.TALL_TILES_GEMM1).
 //
 // Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
 // decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
@@ -138,8 +143,9 @@ struct Mxfp4MoeMainloop {
   // accumulator chains per warpgroup (registers allow it for small N)
   static constexpr int NumAcc = TileN <= 16 ? 4 : (TileN <= 32 ? 2 : 1);
   // A register sets hold half a k tile where two whole ones do not fit: three consumer warpgroups
-  // (152 registers each) with TileK 256 (64 registers per whole set).
-  static constexpr int Halves = (TileM == 192 && TileK == 256) ? 2 : 1;
+  // (152 registers each) with TileK 256 (64 registers per whole set) or 96/128 tokens (48/64
+  // accumulator registers).
+  static constexpr int Halves = (TileM == 192 && (TileK == 256 || TileN >= 96)) ? 2 : 1;
   static constexpr int KSet = KBlocks / Halves;       // k-blocks per register set
 
   // Element types. A: 4-bit container (our permuted e2m1 words); B: bf16 tokens.
