@@ -48,19 +48,20 @@ def label(plan) -> str:
                               for p in plan.parts)
 
 
-def candidate(tile, M, k, E, available=None):
+def candidate(tile, M, k, E, available=None, ks=None):
     """(name, plan, picked) of a --tiles entry: a tile, "plan" (what fused_moe runs) or "plan-tXY"
-    (the rule's tiles with GEMM1 / GEMM2 192 rows tall where X / Y is 1)."""
-    rule = _gemm.plan(M * k, E, available)
+    (the rule's tiles with GEMM1 / GEMM2 192 rows tall where X / Y is 1); ks = (H, I), the GEMMs' K,
+    as fused_moe passes them to the rule."""
+    rule = _gemm.plan(M * k, E, available, ks=ks)
     if tile == "plan":
         return label(rule), rule, True
     if tile.startswith("plan-t"):
-        forced = _gemm.plan(M * k, E, available, tall_tiles=(tile[-2] == "1", tile[-1] == "1"))
+        forced = _gemm.plan(M * k, E, available, tall_tiles=(tile[-2] == "1", tile[-1] == "1"), ks=ks)
         return f"{tile}:{label(forced)}", forced, False
     if tile.startswith("split-") or tile.startswith("exact-"):
         exact = tile.startswith("exact-")
         forced = _gemm.plan(M * k, E, available, tall_tiles=(False, False) if exact else None,
-                            split_tiles=exact_tiles(tile) if exact else split_tiles(tile))
+                            split_tiles=exact_tiles(tile) if exact else split_tiles(tile), ks=ks)
         return f"{'exact' if exact else tile}:{label(forced)}", forced, label(forced) == label(rule)
     forced = one_tile(tile)
     return tile, forced, label(forced) == label(rule)
@@ -93,7 +94,7 @@ def time_tiles(name, tokens, tiles, timer, floors, gen, rounds):
         floor = floor_us(M, E, H, I, k, ids, floors)
         graphs, names, picked = [], [], []
         for tile in tiles:
-            label_, forced, is_rule = candidate(tile, M, k, E, _gemm.configs_of(1))
+            label_, forced, is_rule = candidate(tile, M, k, E, _gemm.configs_of(1), ks=(H, I))
             names.append(label_)
             picked.append(is_rule)
             ops._gemms.cache_clear()  # the layer caches its plan per batch size

@@ -34,7 +34,8 @@ def run(args):
         experts = random_experts(E, H, I, gen)
         table = tuning.autotune(experts, k, ms, reps=args.reps, install=False)
         table["config"] = name
-        table["rule"] = {M: [part[0] for part in _gemm.plan(M * k, E, _gemm.configs_of(1)).parts] for M in ms}
+        table["rule"] = {M: [part[0] for part in _gemm.plan(M * k, E, _gemm.configs_of(1), ks=(H, I)).parts]
+                         for M in ms}
         for M in ms:
             rule_us = table["us"][M][_gemm.PLAN]
             best_us = table["us"][M][table["choices"][M][0]]

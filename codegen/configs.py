@@ -47,15 +47,15 @@ ARCH_FLAGS = {
 # 192x16x256 measured a tie with 128x16x256 (M = 256, all four shapes) and is not built.
 # 192x96x128 / 192x128x128 (half-tile register sets too): GEMM1's prefill parts (_gemm.TALL_TILES_GEMM1).
 # 128x48x256 / 192x48x128 (a 48-token split part) measured no gain twice and are not built
-# (benchmarks/NOTES.md 2026-12-01 (11) and (15)); 192x32x256 / 192x64x256 (half sets) measured -2..-3% at the
-# ridge where K % 256 == 0 and +1% at gpt-oss (K = 2880 pads to 3072): not built (NOTES.md (15)).
+# (benchmarks/NOTES.md 2026-12-01 (11) and (15)). 192x32x256 / 192x64x256 (half sets): the split plan's 32/64-token
+# parts where K is a multiple of 256 (_gemm.TALL_TILES_K256; gpt-oss's K = 2880 would pad to 3072).
 # A/B'd and dropped (benchmarks/results/raw/profile_20261201T0543*Z_libe_*coop2.json): 128x8x128 and
 # 128x16x128 with two CTAs per SM (four consumer warps per scheduler, 104 registers each) against
 # 128x8x256 / 128x16x256: gpt-oss M = 4 GEMM1 -15%, M = 64 -4%, but M = 16 +6%, dsv3 +10..+18%,
 # qwen3 M = 4 GEMM1 +20%.
 SM90_GEMM_TILES = ((128, 32, 128), (128, 64, 128), (128, 96, 128), (128, 128, 128), (128, 16, 256), (128, 8, 256),
                    (128, 32, 256), (128, 64, 256), (192, 8, 128), (192, 16, 128), (192, 32, 128), (192, 64, 128),
-                   (192, 8, 256), (192, 96, 128), (192, 128, 128))
+                   (192, 8, 256), (192, 96, 128), (192, 128, 128), (192, 32, 256), (192, 64, 256))
 
 
 def _gemm_configs(tiles) -> list:

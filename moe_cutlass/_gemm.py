@@ -149,19 +149,32 @@ TALL_STREAM_MIN_ROWS = 1.5
 # (M = 1024, its 96-token part: -5.2%), gpt-oss -2.4 / -5.2 / -7.9%, dsv4-flash +0.7 / -5.2 / -0.5%,
 # dsv3 -2.5 / -2.6 / -1.8%. GEMM2's moved -2.2..+3.0% (dsv4-flash M = 16384 +3.0%) and stay on 128 rows.
 TALL_TILES_GEMM1 = {**TALL_TILES, "m128n96k128_coop": "m192n96k128_coop", "m128n128k128_coop": "m192n128k128_coop"}
+# The split plan's 32/64-token parts on 192 rows keep TileK 256 (half-tile register sets) where the GEMM's K is
+# a multiple of 256: against TileK 128, per-GEMM device time twice each in one session (benchmarks/results/raw/
+# profile_20261201T160[23]*Z_ridge_192rows_k*.json), GEMM1 / GEMM2: dsv3 M = 1024 -2.0 / -2.0%, dsv4-flash
+# -1.9 / -2.7% (M = 2048 -1.7 / -0.4%), qwen3 M = 256 -1.7 / -2.6%, the rest within 1%; gpt-oss (K = 2880, padded
+# to 3072 by TileK 256 and to 2944 by 128) +1.0 / +0.5% at M = 1024, so the rule asks for K % 256 == 0.
+TALL_TILES_K256 = {"m128n32k256_coop": "m192n32k256_coop", "m128n64k256_coop": "m192n64k256_coop"}
 BOTH_TALL, NO_TALL = (True, True), (False, False)
 
 
-def tall(config: str, on: bool, available=None) -> str:
-    """config, or its 192-row version (TALL_TILES; GEMM1: TALL_TILES_GEMM1) when `on` and the library holds it."""
-    head = config[:len("moe_gemm1_")]
-    table = TALL_TILES_GEMM1 if head == "moe_gemm1_" else TALL_TILES
-    other = head + table.get(config[len(head):], config[len(head):]) if on else config
-    return other if available is None or other.replace("moe_gemm2_", "moe_gemm1_", 1) in available else config
+def tall(config: str, on: bool, available=None, K=None) -> str:
+    """config, or when `on` its 192-row version that the library holds: TALL_TILES_K256's where K (the
+    GEMM's reduction length, if known) is a multiple of 256, else TALL_TILES's (GEMM1: TALL_TILES_GEMM1's)."""
+    head, tile = config[:len("moe_gemm1_")], config[len("moe_gemm1_"):]
+    if not on:
+        return config
+    tables = ((TALL_TILES_K256,) if K is not None and K % 256 == 0 else ()) + (
+        TALL_TILES_GEMM1 if head == "moe_gemm1_" else TALL_TILES,)
+    for table in tables:
+        other = head + table.get(tile, tile)
+        if other != config and (available is None or other.replace("moe_gemm2_", "moe_gemm1_", 1) in available):
+            return other
+    return config
 
 
 def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tall_tiles=None,
-         split_tiles=None) -> Plan:
+         split_tiles=None, ks=None) -> Plan:
     """The GEMM launches of a call with `rows` (M * top_k) rows (available: the GEMM1 configs the
     library holds, as for pick_config; GEMM2's follow them): pick_config's one tile up to
     SPLIT_MIN_ROWS rows per expert (streaming tiles; the 8-token one on 192 rows from
@@ -169,7 +182,8 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
     which part a row lands in), split_plan's parts above, their tiles of up to 64 tokens on 192
     rows (TALL_TILES), GEMM1's larger ones too (TALL_TILES_GEMM1). tall_tiles = (GEMM1, GEMM2)
     overrides which GEMM's tiles run on 192 rows (for A/B; not with batch_invariant); split_tiles
-    overrides SPLIT_TILES (for A/B)."""
+    overrides SPLIT_TILES (for A/B). ks = (GEMM1's K, GEMM2's K), i.e. (hidden, intermediate) size, where
+    known: 192-row tiles with TileK 256 where K allows (TALL_TILES_K256)."""
     per_expert = rows / max(1, num_experts)
     if batch_invariant or per_expert <= SPLIT_MIN_ROWS:
         config = pick_config(1, rows, num_experts, available, batch_invariant)
@@ -182,7 +196,8 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
     if batch_invariant:
         return p
     t1, t2 = rule if tall_tiles is None else tall_tiles
-    return Plan(p.chunk, tuple((tall(c1, t1, available), tall(c2, t2, available), lo, hi)
+    k1, k2 = (None, None) if ks is None else ks
+    return Plan(p.chunk, tuple((tall(c1, t1, available, k1), tall(c2, t2, available, k2), lo, hi)
                                for c1, c2, lo, hi in p.parts))
 
 

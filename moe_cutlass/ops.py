@@ -236,7 +236,7 @@ def fused_kernel(num_tokens: int, top_k: int, hidden_size: int, intermediate_siz
 
 
 @functools.lru_cache(maxsize=1024)
-def _gemms(slots: int, E: int, batch_invariant: bool, fused: str | None, ids_int64: bool, tuned,
+def _gemms(slots: int, E: int, H: int, I: int, batch_invariant: bool, fused: str | None, ids_int64: bool, tuned,
            pdl: bool) -> _Gemms:
     # The GEMM tiles follow the rows per expert, which the host knows only on average (slots / E):
     # _gemm.plan's parts let the device place each expert's rows. A shape that moe_cutlass.tuning
@@ -245,7 +245,7 @@ def _gemms(slots: int, E: int, batch_invariant: bool, fused: str | None, ids_int
     if tuned is not None and tuned[0] != _gemm.PLAN:
         p = _gemm.single(*tuned)
     else:
-        p = _gemm.plan(slots, E, _gemm.configs_of(1), batch_invariant)
+        p = _gemm.plan(slots, E, _gemm.configs_of(1), batch_invariant, ks=(H, I))
     plan = GemmPlan(row_chunk=p.chunk, num_parts=len(p.parts), pdl=int(pdl))
     for i, (config1, config2, lo, hi) in enumerate(p.parts):
         plan.gemm1[i], plan.gemm2[i] = (ctypes.cast(lib.function(f"mc_sm90_{c}"), ctypes.c_void_p).value
@@ -373,7 +373,7 @@ def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_l
     tuned = None
     if _gemm._TUNED and not batch_invariant:
         tuned = _gemm.tuned_configs(device_info(index).name, E, H, I, k, M)
-    gemms = _gemms(M * k, E, batch_invariant, fused, topk_ids.dtype == torch.int64, tuned, PROGRAMMATIC_LAUNCH)
+    gemms = _gemms(M * k, E, H, I, batch_invariant, fused, topk_ids.dtype == torch.int64, tuned, PROGRAMMATIC_LAUNCH)
     hidden_ptr, out_ptr = hidden.data_ptr(), out.data_ptr()
     if (hidden_ptr | out_ptr) % 16:
         check_pointers(hidden, out, None)

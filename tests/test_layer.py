@@ -125,6 +125,27 @@ def test_plan_splits_only_above_the_streaming_tiles():
     assert _gemm.plan(4096 * 4, 128, available=only) == _gemm.single("moe_gemm1_m128n128k128_coop")
 
 
+def test_ridge_parts_keep_tilek_256_on_192_rows_where_k_allows():
+    from moe_cutlass import _gemm
+
+    def tiles(ks, available=None):
+        return [(c1[len("moe_gemm1_"):], c2[len("moe_gemm2_"):])
+                for c1, c2, _, _ in _gemm.plan(1024 * 8, 256, available, ks=ks).parts]   # dsv3 M = 1024: 64 + 32
+
+    assert tiles((7168, 2048)) == [("m192n64k256_coop",) * 2, ("m192n32k256_coop",) * 2]
+    assert tiles(None) == tiles((2880, 2880)) == [("m192n64k128_coop",) * 2, ("m192n32k128_coop",) * 2]
+    # per GEMM: GEMM1's K = hidden, GEMM2's K = intermediate
+    assert tiles((2880, 2048)) == [("m192n64k128_coop", "m192n64k256_coop"), ("m192n32k128_coop", "m192n32k256_coop")]
+    # a library without the TileK 256 versions falls back to TileK 128 on 192 rows, then to 128 rows
+    no_k256 = [f"moe_gemm1_{t}" for t in (*_gemm.SPLIT_TILES, *_gemm.TALL_TILES.values())]
+    assert tiles((7168, 2048), no_k256) == tiles(None)
+    assert tiles((7168, 2048), [f"moe_gemm1_{t}" for t in _gemm.SPLIT_TILES]) == [
+        ("m128n64k256_coop",) * 2, ("m128n32k256_coop",) * 2]
+    # the 96/128-token parts and the streaming tiles do not depend on K
+    assert _gemm.plan(4096 * 4, 128, ks=(2048, 768)).parts[:2] == _gemm.plan(4096 * 4, 128).parts[:2]
+    assert _gemm.plan(64 * 4, 128, ks=(2048, 768)) == _gemm.plan(64 * 4, 128) == _gemm.single("moe_gemm1_m192n8k256_coop")
+
+
 def test_split_parts_run_on_192_rows_where_the_library_holds_them():
     from moe_cutlass import _gemm
 
