@@ -74,7 +74,10 @@
 //     192x96x128 and 192x128x128 against 128 rows in the split plan's prefill parts, GEMM1 device
 //     time, each twice in one session (NOTES.md 2026-12-01 (15)), M = 2048-16384: qwen3 -3.7..-7.5%,
 //     gpt-oss -2.4..-7.9%, dsv4-flash -5.2% at M = 4096 and within 1% elsewhere, dsv3 -1.8..-2.6%;
-//     GEMM2 -2.2..+3.0%, so only GEMM1 takes them (_gemm.TALL_TILES_GEMM1).
+//     GEMM2 -2.2..+3.0%, so only GEMM1 takes them (_gemm.TALL_TILES_GEMM1). 192x32x256 and 192x64x256
+//     against their TileK 128 versions in the split plan's ridge parts, per GEMM (NOTES.md (15)):
+//     -1.7..-2.7% at dsv3 / dsv4-flash M = 1024 and qwen3 M = 256, +0.5..+1.0% at gpt-oss, whose
+//     K = 2880 pads to 3072: they run where K % 256 == 0 (_gemm.TALL_TILES_K256).
 //
 // Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
 // decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
