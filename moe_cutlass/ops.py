@@ -241,11 +241,14 @@ def _gemms(slots: int, E: int, H: int, I: int, batch_invariant: bool, fused: str
     # The GEMM tiles follow the rows per expert, which the host knows only on average (slots / E):
     # _gemm.plan's parts let the device place each expert's rows. A shape that moe_cutlass.tuning
     # measured (tuned: the two config names, or _gemm.PLAN for the rule) runs them as one launch each.
-    lib = _lib.library()
     if tuned is not None and tuned[0] != _gemm.PLAN:
         p = _gemm.single(*tuned)
     else:
         p = _gemm.plan(slots, E, _gemm.configs_of(1), batch_invariant, ks=(H, I))
+    if len(p.parts) > MAX_GEMM_PARTS:   # only a plan from other split tiles (A/B) can have more
+        raise ValueError(f"a GEMM plan of {len(p.parts)} parts ({', '.join(part[0] for part in p.parts)}); "
+                         f"mc_layer launches at most {MAX_GEMM_PARTS} per GEMM (MC_MAX_GEMM_PARTS)")
+    lib = _lib.library()
     plan = GemmPlan(row_chunk=p.chunk, num_parts=len(p.parts), pdl=int(pdl))
     for i, (config1, config2, lo, hi) in enumerate(p.parts):
         plan.gemm1[i], plan.gemm2[i] = (ctypes.cast(lib.function(f"mc_sm90_{c}"), ctypes.c_void_p).value
