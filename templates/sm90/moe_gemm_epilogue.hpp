@@ -14,6 +14,15 @@
 // store: inside the store loop each load waited for the one before (possible aliasing), which cost
 // GEMM2 up to a third of its time at short K (qwen3 K = 768: 301 -> 457 useful TFLOP/s at M = 16384,
 // benchmarks/results/profile_20261201T015128Z.json -> profile_20261201T015930Z.json).
+// GEMM2 stores 16 bytes of one output row per lane (movmatrix + a quad transpose, below) instead of
+// one bf16 per accumulator value: 8 instead of 64 stores per thread for a 128-token tile. GEMM2 device
+// time, two rounds each in one session (benchmarks/NOTES.md 2026-12-01 (16)), M = 4096 / 16384: qwen3
+// (K = 768) -10.2 / -9.8%, gpt-oss -3.0 / -6.0%, dsv4-flash -3.3 / -5.3%, dsv3 -3.5 / -6.5%; M = 256-1024
+// -1.4..-6.5% (gpt-oss M = 1024 +0.8%); M = 16 -0.3..+1.7%. GEMM1 keeps one bf16 per store (see there).
+// Two things that did not work: computing the activation of rows past the expert (branch-free, as
+// the vector path does GEMM2's multiply) cost GEMM1 8% on half-filled tiles, and warp-uniform early
+// exits (break / return) for rows past the expert or past N made ptxas lengthen every k loop by
+// 35 instructions (decode GEMMs +10..+20%).
 #pragma once
 
 #include "cutlass/cutlass.h"
@@ -28,6 +37,45 @@
 
 namespace moe_cutlass {
 using namespace cute;
+
+// The stores: an output row (token) is contiguous along the weight rows, but the accumulator
+// gives a thread two tokens of one weight row per 8x8 block. movmatrix transposes each block
+// (the thread then holds two weight rows of one token) and a transpose across the four lanes of
+// a quad (two shuffle rounds) gathers G such words into one lane: G * 4 contiguous bytes, stored
+// at once (16 for G = 4). Each thread stored one bf16 per accumulator value before.
+__device__ __forceinline__ uint32_t mc_pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return reinterpret_cast<uint32_t&>(v);
+}
+
+__device__ __forceinline__ uint32_t mc_transpose8x8(uint32_t a) {
+  uint32_t d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
+  return d;
+}
+
+// Lane q (of its quad) holds x[k] = word k of its own; after: x[p] = word (q % G) of lane
+// (q & ~(G - 1)) + p. Every lane of the warp must call it.
+template <int G>
+__device__ __forceinline__ void mc_lane_transpose(uint32_t (&x)[G], int q) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int b = 1; b < G; b <<= 1) {
+    bool const upper = q & b;
+    CUTLASS_PRAGMA_UNROLL
+    for (int u = 0; u < G / 2; ++u) {
+      int const lo = ((u & ~(b - 1)) << 1) | (u & (b - 1)), hi = lo | b;
+      uint32_t const got = __shfl_xor_sync(0xffffffffu, upper ? x[lo] : x[hi], b);
+      if (upper) x[lo] = got; else x[hi] = got;
+    }
+  }
+}
+
+template <int G>
+__device__ __forceinline__ void mc_store_words(cutlass::bfloat16_t* dst, uint32_t const (&x)[G]) {
+  if constexpr (G == 4) *reinterpret_cast<uint4*>(dst) = make_uint4(x[0], x[1], x[2], x[3]);
+  else if constexpr (G == 2) *reinterpret_cast<uint2*>(dst) = make_uint2(x[0], x[1]);
+  else *reinterpret_cast<uint32_t*>(dst) = x[0];
+}
 
 struct MoeEpilogueArguments {
   void* out = nullptr;                   // bf16 [rows, ld_out]
@@ -120,10 +168,9 @@ class MoeEpilogue {
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
     int const n0 = int(n_coord) * TileN;
     int64_t const row_base = t.first;
-    Tensor tCcD = thread_coords(tiled_mma, thread_idx);
-    static_assert(decltype(size(tCcD))::value == decltype(size(acc))::value);
     // accumulator value mode = (2 cols, 2 row halves (+8), TileN/8 col blocks); MMA_M = MMA_N = 1:
-    // value c + 2h + 4j is this thread's (row m_h, column 8j + c'), m_h the same for every j and c.
+    // value c + 2h + 4j is this thread's (row m_h, column 8j + 2q + c), m_h = m0 + 16 w + 8h + r for
+    // lane 4r + q of warp w: per (h, j) an 8x8 block in the fragment layout of movmatrix.
     static_assert(size<1>(FrgLayout{}) == 1 && size<2>(FrgLayout{}) == 1, "one atom per warpgroup");
     static_assert(size<0>(FrgLayout{}) == TileN / 2, "m64nNk16 accumulator");
     auto [m_lo, m_hi] = thread_rows(int(m_coord), tiled_mma, thread_idx);
@@ -131,26 +178,35 @@ class MoeEpilogue {
     bool const has_bias = params.bias != nullptr;
 
     if constexpr (Kind == 2) {
+      int const lane = thread_idx % 32, r = lane / 4, q = lane % 4;
+      // word 2j + h: (weight rows m_h - r + 2q, +1; token n0 + 8j + r) after the transpose
+      constexpr int Words = TileN / 4, G = Words < 4 ? Words : 4;
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < TileN / 8; ++j) {
+      for (int g = 0; g < Words / G; ++g) {
+        uint32_t x[G];
         CUTLASS_PRAGMA_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          int const m = h ? m_hi : m_lo;
+        for (int k = 0; k < G; ++k) {
+          int const j = (g * G + k) / 2, h = (g * G + k) % 2;
+          float v[2];
           CUTLASS_PRAGMA_UNROLL
           for (int c = 0; c < 2; ++c) {
-            int const i = c + 2 * h + 4 * j;
-            int const n = n0 + get<1>(tCcD(i));
-            if (m < params.n_real && n < t.n_rows) {
-              float v = acc(i);
-              if (has_bias) v += h ? t.b_hi : t.b_lo;
-              v *= t.w[j][c];
-              out[(row_base + n) * params.n_real + m] = cutlass::bfloat16_t(v);
-            }
+            v[c] = acc(c + 2 * h + 4 * j);
+            if (has_bias) v[c] += h ? t.b_hi : t.b_lo;
+            v[c] *= t.w[j][c];
           }
+          x[k] = mc_transpose8x8(mc_pack_bf16x2(v[0], v[1]));
         }
+        mc_lane_transpose(x, q);
+        int const word = g * G + q % G, j = word / 2, h = word % 2;
+        int const n = n0 + 8 * j + r;
+        int const m = (h ? m_hi : m_lo) - r + 2 * (q & ~(G - 1));
+        if (m < params.n_real && n < t.n_rows) mc_store_words(out + (row_base + n) * params.n_real + m, x);
       }
     } else {
-      // gate row m_lo, up row m_hi = m_lo + 8 (layout.py's paired order)
+      // gate row m_lo, up row m_hi = m_lo + 8 (layout.py's paired order). One bf16 per store: the
+      // vector stores measured -1..-6% on GEMM1 at qwen3 / gpt-oss M >= 1024 but +2..+7.5% at dsv3 /
+      // dsv4-flash (K = 7168 / 4096), with ptxas's k loops as long as before, in another order.
+      Tensor tCcD = thread_coords(tiled_mma, thread_idx);
       int const inter = params.n_real / 2;
       float const L = params.limit;
       int const col = (m_lo >> 4) * 8 + (m_lo & 7);
