@@ -72,9 +72,9 @@ __device__ __forceinline__ void mc_lane_transpose(uint32_t (&x)[G], int q) {
 
 template <int G>
 __device__ __forceinline__ void mc_store_words(cutlass::bfloat16_t* dst, uint32_t const (&x)[G]) {
+  static_assert(G == 2 || G == 4, "GEMM2 holds at least two words per thread (TileN >= 8)");
   if constexpr (G == 4) *reinterpret_cast<uint4*>(dst) = make_uint4(x[0], x[1], x[2], x[3]);
-  else if constexpr (G == 2) *reinterpret_cast<uint2*>(dst) = make_uint2(x[0], x[1]);
-  else *reinterpret_cast<uint32_t*>(dst) = x[0];
+  else *reinterpret_cast<uint2*>(dst) = make_uint2(x[0], x[1]);
 }
 
 struct MoeEpilogueArguments {
