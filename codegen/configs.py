@@ -53,15 +53,22 @@ ARCH_FLAGS = {
 # 128x16x128 with two CTAs per SM (four consumer warps per scheduler, 104 registers each) against
 # 128x8x256 / 128x16x256: gpt-oss M = 4 GEMM1 -15%, M = 64 -4%, but M = 16 +6%, dsv3 +10..+18%,
 # qwen3 M = 4 GEMM1 +20%.
+# A fourth number is a cluster of that many CTAs along the weight rows (name suffix _c2): the CTAs
+# of a cluster take consecutive weight-row tiles of one token tile and each loads a share of the
+# tokens for all (TMA multicast; moe_gemm_mainloop.hpp 11.). 128x256x64: a 256-token split part
+# (moe_cutlass/_gemm.py SPLIT_TILES_256); 128x256x128 made ptxas serialize the GMMAs (C7520) and ran
+# 30x slower (benchmarks/NOTES.md 2026-12-01 (17)).
 SM90_GEMM_TILES = ((128, 32, 128), (128, 64, 128), (128, 96, 128), (128, 128, 128), (128, 16, 256), (128, 8, 256),
                    (128, 32, 256), (128, 64, 256), (192, 8, 128), (192, 16, 128), (192, 32, 128), (192, 64, 128),
-                   (192, 8, 256), (192, 96, 128), (192, 128, 128), (192, 32, 256), (192, 64, 256))
+                   (192, 8, 256), (192, 96, 128), (192, 128, 128), (192, 32, 256), (192, 64, 256), (128, 256, 64),
+                   (128, 128, 128, 2), (192, 128, 128, 2), (128, 256, 64, 2))
 
 
 def _gemm_configs(tiles) -> list:
-    return [KernelConfig(f"moe_gemm{kind}_m{m}n{n}k{k}_coop", "moe_gemm.cu.j2",
-                         {"kind": kind, "tile_m": m, "tile_n": n, "tile_k": k, "pingpong": False})
-            for m, n, k in tiles for kind in (1, 2)]
+    return [KernelConfig(f"moe_gemm{kind}_m{m}n{n}k{k}_coop" + (f"_c{c[0]}" if c else ""), "moe_gemm.cu.j2",
+                         {"kind": kind, "tile_m": m, "tile_n": n, "tile_k": k, "pingpong": False,
+                          "cluster_m": c[0] if c else 1})
+            for m, n, k, *c in tiles for kind in (1, 2)]
 
 
 # The one-launch layer (templates/sm90/moe_decode.cuh), one kernel per shared-memory ring: stages of

@@ -148,7 +148,8 @@ TALL_STREAM_MIN_ROWS = 1.5
 # profile_20261201T1538*Z_prefill_*rows.json), M = 2048 / 4096 / 16384: qwen3 -5.8 / -3.7 / -7.5%
 # (M = 1024, its 96-token part: -5.2%), gpt-oss -2.4 / -5.2 / -7.9%, dsv4-flash +0.7 / -5.2 / -0.5%,
 # dsv3 -2.5 / -2.6 / -1.8%. GEMM2's moved -2.2..+3.0% (dsv4-flash M = 16384 +3.0%) and stay on 128 rows.
-TALL_TILES_GEMM1 = {**TALL_TILES, "m128n96k128_coop": "m192n96k128_coop", "m128n128k128_coop": "m192n128k128_coop"}
+TALL_TILES_GEMM1 = {**TALL_TILES, "m128n96k128_coop": "m192n96k128_coop", "m128n128k128_coop": "m192n128k128_coop",
+                    "m128n128k128_coop_c2": "m192n128k128_coop_c2"}
 # The split plan's 32/64-token parts on 192 rows keep TileK 256 (half-tile register sets) where the GEMM's K is
 # a multiple of 256: against TileK 128, per-GEMM device time twice each in one session (benchmarks/results/raw/
 # profile_20261201T160[23]*Z_ridge_192rows_k*.json), GEMM1 / GEMM2: dsv3 M = 1024 -2.0 / -2.0%, dsv4-flash

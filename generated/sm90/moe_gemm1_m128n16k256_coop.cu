@@ -36,14 +36,14 @@ size_t mc_sm90_moe_gemm1_m128n16k256_coop_workspace_size(int32_t E, int32_t num_
 size_t mc_sm90_moe_gemm1_m128n16k256_coop_shared_memory_bytes(void);
 }
 
-// MXFP4 x BF16 MoE grouped GEMM: GEMM1, tile 128x16x256, cooperative.
+// MXFP4 x BF16 MoE grouped GEMM: GEMM1, tile 128x16x256, cooperative, cluster 1x1.
 #include "moe_gemm_launch.hpp"
 #include "moe_layer_call.h"
 
 #include <type_traits>
 
 namespace {
-using Cfg = moe_cutlass::MoeGemmConfig<1, 128, 16, 256, false>;
+using Cfg = moe_cutlass::MoeGemmConfig<1, 128, 16, 256, false, 1>;
 }
 
 extern "C" int mc_sm90_moe_gemm1_m128n16k256_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,

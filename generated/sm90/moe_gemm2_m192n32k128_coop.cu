@@ -36,14 +36,14 @@ size_t mc_sm90_moe_gemm2_m192n32k128_coop_workspace_size(int32_t E, int32_t num_
 size_t mc_sm90_moe_gemm2_m192n32k128_coop_shared_memory_bytes(void);
 }
 
-// MXFP4 x BF16 MoE grouped GEMM: GEMM2, tile 192x32x128, cooperative.
+// MXFP4 x BF16 MoE grouped GEMM: GEMM2, tile 192x32x128, cooperative, cluster 1x1.
 #include "moe_gemm_launch.hpp"
 #include "moe_layer_call.h"
 
 #include <type_traits>
 
 namespace {
-using Cfg = moe_cutlass::MoeGemmConfig<2, 192, 32, 128, false>;
+using Cfg = moe_cutlass::MoeGemmConfig<2, 192, 32, 128, false, 1>;
 }
 
 extern "C" int mc_sm90_moe_gemm2_m192n32k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,

@@ -61,8 +61,9 @@ struct MoeProblemShape {
   CUTLASS_HOST_DEVICE bool is_host_problem_shape_available() const { return false; }
 };
 
-template <int Kind, int TileM, int TileN, int TileK, bool Pingpong>
+template <int Kind, int TileM, int TileN, int TileK, bool Pingpong, int ClusterM_ = 1>
 struct MoeGemmConfig {
+  static constexpr int ClusterM = ClusterM_;
   using TileShape = Shape<Int<TileM>, Int<TileN>, Int<TileK>>;
   // Our fork of the cooperative kernel (moe_gemm_kernel.hpp): one 64-row slab per consumer
   // warpgroup (three for TileM 192), the epilogue's loads issued with the mainloop.
@@ -74,7 +75,7 @@ struct MoeGemmConfig {
   // as many stages as fit: small-N tiles stream weights, and bytes in flight set the bandwidth
   static constexpr int Stages = StagesRaw > 24 ? 24 : StagesRaw;
   static_assert(Stages >= 2);
-  using Mainloop = Mxfp4MoeMainloop<Stages, TileShape, Schedule>;
+  using Mainloop = Mxfp4MoeMainloop<Stages, TileShape, Schedule, ClusterM>;
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<MoeEpilogue<Kind, TileShape>>;
   using ProblemShape = MoeProblemShape;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
@@ -87,6 +88,18 @@ struct MoeWorkspaceLayout {
 
 inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
+// A persistent grid of clusters must fit the machine at once: the count the occupancy API gives
+// (per process; one GPU model per process assumed), 0 (unused) without clusters.
+template <class Cfg>
+inline int max_active_clusters() {
+  if constexpr (Cfg::ClusterM == 1) {
+    return 0;
+  } else {
+    static int const n = cutlass::KernelHardwareInfo::query_device_max_active_clusters<typename Cfg::Kernel>();
+    return n;
+  }
+}
+
 template <class Cfg>
 inline typename Cfg::Gemm::Arguments make_args(int E, int sm_count, typename Cfg::Mainloop::Arguments const& ml,
                                                MoeEpilogueArguments const& epi) {
@@ -97,6 +110,7 @@ inline typename Cfg::Gemm::Arguments make_args(int E, int sm_count, typename Cfg
   args.epilogue = epi;
   args.hw_info.device_id = 0;
   args.hw_info.sm_count = sm_count;
+  args.hw_info.max_active_clusters = max_active_clusters<Cfg>();
   return args;
 }
 

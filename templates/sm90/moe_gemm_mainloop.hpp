@@ -117,22 +117,26 @@ using namespace cute;
 // The mainloop collective.
 // ---------------------------------------------------------------------------------------------
 // The dispatch policy for our own kernel schedules (upstream's mixed-input policy admits only its two).
-template <int Stages_, class KernelSchedule_>
+template <int Stages_, class KernelSchedule_, int ClusterM_ = 1>
 struct MoeMainloopPolicy {
   static constexpr int Stages = Stages_;
-  using ClusterShape = Shape<_1, _1, _1>;
+  using ClusterShape = Shape<Int<ClusterM_>, _1, _1>;
   using ArchTag = cutlass::arch::Sm90;
   using Schedule = KernelSchedule_;
 };
 
-template <int Stages_, class TileShape_, class KernelSchedule_>
+template <int Stages_, class TileShape_, class KernelSchedule_, int ClusterM_ = 1>
 struct Mxfp4MoeMainloop {
+  // ClusterM CTAs on consecutive weight-row tiles of the same token tile: each loads 1/ClusterM
+  // of the token tile, multicast to all of them (item 11).
+  static constexpr int ClusterM = ClusterM_;
+  static_assert(ClusterM == 1 || is_moe_cooperative<KernelSchedule_>::value, "clusters on our cooperative kernel only");
   using DispatchPolicy = cute::conditional_t<is_moe_cooperative<KernelSchedule_>::value,
-      MoeMainloopPolicy<Stages_, KernelSchedule_>,
+      MoeMainloopPolicy<Stages_, KernelSchedule_, ClusterM>,
       cutlass::gemm::MainloopSm90ArrayTmaGmmaWarpSpecializedMixedInput<Stages_, Shape<_1, _1, _1>, KernelSchedule_>>;
   using TileShape = TileShape_;
   using KernelSchedule = KernelSchedule_;
-  using ClusterShape = Shape<_1, _1, _1>;
+  using ClusterShape = Shape<Int<ClusterM>, _1, _1>;
   using ArchTag = cutlass::arch::Sm90;
   static constexpr int Stages = Stages_;
 
@@ -169,7 +173,8 @@ struct Mxfp4MoeMainloop {
   using ElementAccumulator = float;
 
   using GmemTiledCopyA = SM90_TMA_LOAD;
-  using GmemTiledCopyB = SM90_TMA_LOAD;
+  using GmemTiledCopyB = cute::conditional_t<(ClusterM > 1), SM90_TMA_LOAD_MULTICAST, SM90_TMA_LOAD>;
+  static constexpr uint16_t kTokenMcastMask = ClusterM > 1 ? uint16_t((1u << ClusterM) - 1) : uint16_t(0);
   using GmemTiledCopyScale = SM90_TMA_LOAD;
 
   // smem layouts: A is plain K-major (no swizzle: our own addressing), B uses the GMMA 128B
@@ -247,7 +252,7 @@ struct Mxfp4MoeMainloop {
     using TMA_B = decltype(make_tma_copy(
         GmemTiledCopyB{},
         make_tensor(static_cast<ElementB const*>(nullptr), GmemLayoutB{}),
-        SmemLayoutB{}(_, _, Int<0>{}), make_shape(Int<TileN>{}, Int<TileK>{}), _1{}));
+        SmemLayoutB{}(_, _, Int<0>{}), make_shape(Int<TileN>{}, Int<TileK>{}), Int<ClusterM>{}));
     using TMA_B8 = decltype(make_tma_copy(
         GmemTiledCopyB{},
         make_tensor(static_cast<ElementB const*>(nullptr), GmemLayoutB{}),
@@ -286,7 +291,7 @@ struct Mxfp4MoeMainloop {
     Params p{
       make_tma_copy(GmemTiledCopyA{}, tA, SmemLayoutA{}(_, _, _, Int<0>{}), TileShapeA{}, _1{}),
       make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutB{}(_, _, Int<0>{}),
-                    make_shape(Int<TileN>{}, Int<TileK>{}), _1{}),
+                    make_shape(Int<TileN>{}, Int<TileK>{}), Int<ClusterM>{}),
       make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutB8{}, make_shape(_8{}, Int<TileK>{}), _1{}),
       make_tma_copy(GmemTiledCopyScale{}, tS, SmemLayoutScale{}(_, _, Int<0>{}),
                     make_shape(Int<TileM>{}, Int<Groups>{}), _1{}),
@@ -369,7 +374,9 @@ struct Mxfp4MoeMainloop {
     Tensor mB = domain_offset(make_coord(row0 + int32_t(n_coord) * TileN, 0, 0), get<4>(load_inputs));
     Tensor gB = local_tile(mB(_, _, 0), make_shape(Int<TileN>{}, Int<TileK>{}), make_coord(0, _));  // (BN,BK,k)
     auto block_tma_a = p.tma_load_a.get_slice(0);
-    auto block_tma_b = p.tma_load_b.get_slice(0);
+    // (a cluster's CTAs share the token tile: each loads 1/ClusterM of the one box, or every
+    // ClusterM-th 8-row chunk, for all of them)
+    auto block_tma_b = p.tma_load_b.get_slice(block_rank_in_cluster);
     auto block_tma_s = p.tma_load_scale.get_slice(0);
     Tensor tAgA = block_tma_a.partition_S(gA);
     Tensor tAsA = block_tma_a.partition_D(sA);
@@ -379,16 +386,18 @@ struct Mxfp4MoeMainloop {
     Tensor tSsS = block_tma_s.partition_D(sS);
 
     using BarrierType = typename MainloopPipeline::ProducerBarrierType;
+    uint16_t const mcast_mask = kTokenMcastMask;   // with() takes it by reference
     auto load_tokens = [&](int kt, int write_stage, BarrierType* tma_barrier) {
       if (!b_partial) {
-        copy(p.tma_load_b.with(*tma_barrier, 0), tBgB(_, _, _, kt), tBsB(_, _, _, write_stage));
+        copy(p.tma_load_b.with(*tma_barrier, mcast_mask), tBgB(_, _, _, kt), tBsB(_, _, _, write_stage));
       } else {
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < TileN / 8; ++j) {
+          if (ClusterM > 1 && j % ClusterM != int(block_rank_in_cluster)) continue;
           int32_t const r = b_row + 8 * j < row_end ? b_row + 8 * j : p.act_rows;
           Tensor gBj = local_tile(domain_offset(make_coord(r, 0), mAct), Shape<_8, Int<TileK>>{}, make_coord(0, kt));
           Tensor sBj = local_tile(sB(_, _, write_stage), Shape<_8, Int<TileK>>{}, make_coord(j, 0));
-          copy(p.tma_load_b8.with(*tma_barrier, 0), block_tma_b8.partition_S(gBj), block_tma_b8.partition_D(sBj));
+          copy(p.tma_load_b8.with(*tma_barrier, mcast_mask), block_tma_b8.partition_S(gBj), block_tma_b8.partition_D(sBj));
         }
       }
     };
