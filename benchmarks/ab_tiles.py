@@ -68,13 +68,12 @@ def candidate(tile, M, k, E, available=None, ks=None):
 
 
 def split_tiles(candidate):
-    """The split plan's tiles of a "split-256+128c2+96+64+32" candidate: 128-row tiles, TileK 128 at 96
-    and 128 tokens, 256 below, 64 at 256 tokens (as SPLIT_TILES and SPLIT_TILES_256; plan() moves GEMM1's
-    of up to 128 tokens to 192 rows), "c2" a cluster of two (the _c2 configs)."""
+    """The split plan's tiles of a "split-128c2+96+64+32+16" candidate: 128-row tiles, TileK 128 from
+    96 tokens up and 256 below (as SPLIT_TILES; plan() moves GEMM1's to 192 rows, those of up to 64
+    tokens GEMM2's too), "c2" a cluster of two (the _c2 configs)."""
     def tile(part):
-        n, c2 = (part[:-2], "_c2") if part.endswith("c2") else (part, "")
-        n = int(n)
-        return f"m128n{n}k{64 if n >= 256 else 128 if n >= 96 else 256}_coop{c2}"
+        n, c2 = (int(part[:-2]), "_c2") if part.endswith("c2") else (int(part), "")
+        return f"m128n{n}k{128 if n >= 96 else 256}_coop{c2}"
     return tuple(tile(part) for part in candidate[len("split-"):].split("+"))
 
 

@@ -55,13 +55,16 @@ ARCH_FLAGS = {
 # qwen3 M = 4 GEMM1 +20%.
 # A fourth number is a cluster of that many CTAs along the weight rows (name suffix _c2): the CTAs
 # of a cluster take consecutive weight-row tiles of one token tile and each loads a share of the
-# tokens for all (TMA multicast; moe_gemm_mainloop.hpp 11.). 128x256x64: a 256-token split part
-# (moe_cutlass/_gemm.py SPLIT_TILES_256); 128x256x128 made ptxas serialize the GMMAs (C7520) and ran
-# 30x slower (benchmarks/NOTES.md 2026-12-01 (17)).
+# tokens for all (TMA multicast; moe_gemm_mainloop.hpp 11.): the 128-token split part of both GEMMs
+# (GEMM1 on 192 rows) from _gemm.CLUSTER_MIN_ROWS rows per expert. Measured and not built
+# (benchmarks/NOTES.md 2026-12-01 (17)): a 256-token split part, 128x256x64 (GEMM2 spilled 228 bytes):
+# per GEMM +10..+14% (+18..+26% in clusters) where 94-300 rows per expert put a 129-255-row remainder
+# in one 256-token tile (qwen3 M = 2048, gpt-oss and dsv3 M = 4096), -3.5..+5.7% at M = 16384;
+# 128x256x128 made ptxas serialize the GMMAs (C7520) and ran 30x slower.
 SM90_GEMM_TILES = ((128, 32, 128), (128, 64, 128), (128, 96, 128), (128, 128, 128), (128, 16, 256), (128, 8, 256),
                    (128, 32, 256), (128, 64, 256), (192, 8, 128), (192, 16, 128), (192, 32, 128), (192, 64, 128),
-                   (192, 8, 256), (192, 96, 128), (192, 128, 128), (192, 32, 256), (192, 64, 256), (128, 256, 64),
-                   (128, 128, 128, 2), (192, 128, 128, 2), (128, 256, 64, 2))
+                   (192, 8, 256), (192, 96, 128), (192, 128, 128), (192, 32, 256), (192, 64, 256),
+                   (128, 128, 128, 2), (192, 128, 128, 2))
 
 
 def _gemm_configs(tiles) -> list:

@@ -157,6 +157,21 @@ TALL_TILES_GEMM1 = {**TALL_TILES, "m128n96k128_coop": "m192n96k128_coop", "m128n
 # to 3072 by TileK 256 and to 2944 by 128) +1.0 / +0.5% at M = 1024, so the rule asks for K % 256 == 0.
 TALL_TILES_K256 = {"m128n32k256_coop": "m192n32k256_coop", "m128n64k256_coop": "m192n64k256_coop"}
 BOTH_TALL, NO_TALL = (True, True), (False, False)
+# The 128-token part in clusters of two CTAs with token multicast (the _c2 configs, moe_gemm_mainloop.hpp
+# 11.) from this many rows per expert: per-GEMM device time against the same part without, three rounds
+# each, interleaved (benchmarks/results/raw/profile_20261201T1902*Z_*_c2_ab.json, medians), GEMM1 / GEMM2
+# at M = 16384: dsv3 -3.4 / -4.6%, dsv4-flash -2.1 / -2.9%, gpt-oss -1.9 / -0.5%, qwen3 -0.2 / -0.7%; at
+# M = 4096 (96-128 rows per expert but qwen3's 256) -1.3..+3.3% (gpt-oss GEMM2 +3.0%: its 23 weight-row
+# tiles round up to 24 for the pairs).
+CLUSTER_TILES = {"m128n128k128_coop": "m128n128k128_coop_c2", "m192n128k128_coop": "m192n128k128_coop_c2"}
+CLUSTER_MIN_ROWS = 256
+
+
+def clustered(config: str, available=None) -> str:
+    """config's version in a cluster of two (CLUSTER_TILES) where the library holds it, else config."""
+    head, tile = config[:len("moe_gemm1_")], config[len("moe_gemm1_"):]
+    other = head + CLUSTER_TILES.get(tile, tile)
+    return other if available is None or other.replace("moe_gemm2_", "moe_gemm1_", 1) in available else config
 
 
 def tall(config: str, on: bool, available=None, K=None) -> str:
@@ -183,8 +198,9 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
     which part a row lands in), split_plan's parts above, their tiles of up to 64 tokens on 192
     rows (TALL_TILES), GEMM1's larger ones too (TALL_TILES_GEMM1). tall_tiles = (GEMM1, GEMM2)
     overrides which GEMM's tiles run on 192 rows (for A/B; not with batch_invariant); split_tiles
-    overrides SPLIT_TILES (for A/B). ks = (GEMM1's K, GEMM2's K), i.e. (hidden, intermediate) size, where
-    known: 192-row tiles with TileK 256 where K allows (TALL_TILES_K256)."""
+    overrides SPLIT_TILES (for A/B; its tiles run as named, no cluster added). ks = (GEMM1's K, GEMM2's K),
+    i.e. (hidden, intermediate) size, where known: 192-row tiles with TileK 256 where K allows
+    (TALL_TILES_K256). From CLUSTER_MIN_ROWS rows per expert the 128-token part runs in clusters of two."""
     per_expert = rows / max(1, num_experts)
     if batch_invariant or per_expert <= SPLIT_MIN_ROWS:
         config = pick_config(1, rows, num_experts, available, batch_invariant)
@@ -198,8 +214,10 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
         return p
     t1, t2 = rule if tall_tiles is None else tall_tiles
     k1, k2 = (None, None) if ks is None else ks
-    return Plan(p.chunk, tuple((tall(c1, t1, available, k1), tall(c2, t2, available, k2), lo, hi)
-                               for c1, c2, lo, hi in p.parts))
+    parts = tuple((tall(c1, t1, available, k1), tall(c2, t2, available, k2), lo, hi) for c1, c2, lo, hi in p.parts)
+    if split_tiles is None and per_expert >= CLUSTER_MIN_ROWS:
+        parts = tuple((clustered(c1, available), clustered(c2, available), lo, hi) for c1, c2, lo, hi in parts)
+    return Plan(p.chunk, parts)
 
 
 # Tile choices that moe_cutlass.tuning measured for a layer shape on a device, in force for fused_moe

@@ -107,6 +107,21 @@ def test_plan_parts_take_every_row_once(shape, M):
         assert sorted(taken) == list(range(rows)), (rows, plan)
 
 
+def test_plan_clusters_the_128_token_part_from_256_rows_per_expert():
+    from moe_cutlass import _gemm
+
+    def first(plan):
+        return plan.parts[0][:2]
+    assert first(_gemm.plan(16384 * 8, 128)) == ("moe_gemm1_m192n128k128_coop_c2", "moe_gemm2_m128n128k128_coop_c2")
+    assert all("_c2" not in c for part in _gemm.plan(16384 * 8, 128).parts[1:] for c in part[:2])
+    assert first(_gemm.plan(4096 * 4, 128)) == ("moe_gemm1_m192n128k128_coop", "moe_gemm2_m128n128k128_coop")
+    assert _gemm.plan(16384 * 8, 128, batch_invariant=True) == _gemm.single("moe_gemm1_m128n128k128_coop")
+    named = _gemm.plan(16384 * 8, 128, split_tiles=_gemm.SPLIT_TILES)   # an A/B candidate runs as named
+    assert first(named) == ("moe_gemm1_m192n128k128_coop", "moe_gemm2_m128n128k128_coop")
+    without = [f"moe_gemm1_{t}" for t in (*_gemm.SPLIT_TILES, "m192n128k128_coop")]   # a build without _c2
+    assert first(_gemm.plan(16384 * 8, 128, available=without)) == first(named)
+
+
 def test_plan_splits_only_above_the_streaming_tiles():
     from moe_cutlass import _gemm
 

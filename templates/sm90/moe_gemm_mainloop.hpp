@@ -47,7 +47,7 @@
 //     releases every stage itself; mma_tail only waits.
 //  6. N tiles <= 32 spread the k-blocks over 2-4 independent accumulator chains (small-N GMMAs
 //     are latency bound on the accumulator dependency), summed in a fixed order at the end.
-//  7. Zero points, scale look-up tables, swap-AB and multicast are removed (cluster 1x1 only).
+//  7. Zero points, scale look-up tables and swap-AB are removed; multicast is the tokens' only (11.).
 //     The Pingpong schedule compiles (TileM 64) but measured slower than Cooperative and is
 //     not in the kernel table.
 //  8. mma() takes a hook that runs once, after the first k tile's GMMAs are issued and the next k
@@ -78,6 +78,18 @@
 //     against their TileK 128 versions in the split plan's ridge parts, per GEMM (NOTES.md (15)):
 //     -1.7..-2.7% at dsv3 / dsv4-flash M = 1024 and qwen3 M = 256, +0.5..+1.0% at gpt-oss, whose
 //     K = 2880 pads to 3072: they run where K % 256 == 0 (_gemm.TALL_TILES_K256).
+// 11. Clusters of ClusterM CTAs along the weight rows (the _c2 configs): the grouped scheduler gives
+//     a cluster's CTAs consecutive weight-row tiles of one token tile (an expert's weight-row tiles
+//     rounded up to the cluster; the extra tile's weights are zero-filled by TMA and not stored), and
+//     each CTA loads 1/ClusterM of the token tile for all of them by TMA multicast: cute splits the one
+//     box along its outermost mode (the K halves), and a partial tile's 8-row chunks go whole, every
+//     ClusterM-th to each CTA (splitting each chunk's box too gave wrong rows in partial tiles:
+//     benchmarks/results/raw/tests_20261201T183622Z_cluster_probe_chunk_split_gemm.json). The stage
+//     barriers count the consumers of every CTA of the cluster (upstream's PipelineTmaAsync). Half the
+//     token bytes from L2 per CTA; per-GEMM device time against the same part without, three rounds
+//     interleaved (benchmarks/NOTES.md 2026-12-01 (17)), GEMM1 / GEMM2 at M = 16384: dsv3 -3.4 / -4.6%,
+//     dsv4-flash -2.1 / -2.9%, gpt-oss -1.9 / -0.5%, qwen3 -0.2 / -0.7%; at M = 4096 -1.3..+3.3%, so
+//     _gemm.plan takes them from CLUSTER_MIN_ROWS rows per expert.
 //
 // Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
 // decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
