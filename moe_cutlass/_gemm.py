@@ -167,24 +167,29 @@ CLUSTER_TILES = {"m128n128k128_coop": "m128n128k128_coop_c2", "m192n128k128_coop
 CLUSTER_MIN_ROWS = 256
 
 
+def _mapped(config: str, table: dict, available=None) -> str:
+    """config with its tile replaced by table's (keyed by config suffix) where the library holds that
+    (available: GEMM1 names; a GEMM2 config follows its GEMM1 twin), else config."""
+    head, tile = config[:len("moe_gemm1_")], config[len("moe_gemm1_"):]
+    other = head + table.get(tile, tile)
+    return other if available is None or other.replace("moe_gemm2_", "moe_gemm1_", 1) in available else config
+
+
 def clustered(config: str, available=None) -> str:
     """config's version in a cluster of two (CLUSTER_TILES) where the library holds it, else config."""
-    head, tile = config[:len("moe_gemm1_")], config[len("moe_gemm1_"):]
-    other = head + CLUSTER_TILES.get(tile, tile)
-    return other if available is None or other.replace("moe_gemm2_", "moe_gemm1_", 1) in available else config
+    return _mapped(config, CLUSTER_TILES, available)
 
 
 def tall(config: str, on: bool, available=None, K=None) -> str:
     """config, or when `on` its 192-row version that the library holds: TALL_TILES_K256's where K (the
     GEMM's reduction length, if known) is a multiple of 256, else TALL_TILES's (GEMM1: TALL_TILES_GEMM1's)."""
-    head, tile = config[:len("moe_gemm1_")], config[len("moe_gemm1_"):]
     if not on:
         return config
     tables = ((TALL_TILES_K256,) if K is not None and K % 256 == 0 else ()) + (
-        TALL_TILES_GEMM1 if head == "moe_gemm1_" else TALL_TILES,)
+        TALL_TILES_GEMM1 if config.startswith("moe_gemm1_") else TALL_TILES,)
     for table in tables:
-        other = head + table.get(tile, tile)
-        if other != config and (available is None or other.replace("moe_gemm2_", "moe_gemm1_", 1) in available):
+        other = _mapped(config, table, available)
+        if other != config:
             return other
     return config
 
