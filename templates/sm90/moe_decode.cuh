@@ -590,7 +590,7 @@ __device__ void consume(const Args& a, const Gemm& G, Smem<R>& sm, Ring<R>& ring
         int const col = (m >> 4) * 8 + (m & 7);
         float g = acc[t], u = acc[2 + t];
         if (bias) { g += bias[m]; u += bias[m + 8]; }
-        if (col < a.I) a.inter[row * a.I + col] = __float2bfloat16_rn(mc_activation(g, u, a.activation, a.alpha, a.limit));
+        if (col < a.I) a.inter[row * a.I + col] = __float2bfloat16_rn(mc_activation(g, u, mc_activation_of(a.activation, a.alpha, a.limit)));
       } else {
         float const w = a.topk_weights[sm.r.row_slot[row]];
 #pragma unroll

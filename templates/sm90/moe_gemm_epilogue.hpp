@@ -19,10 +19,16 @@
 // time, two rounds each in one session (benchmarks/NOTES.md 2026-12-01 (16)), M = 4096 / 16384: qwen3
 // (K = 768) -10.2 / -9.8%, gpt-oss -3.0 / -6.0%, dsv4-flash -3.3 / -5.3%, dsv3 -3.5 / -6.5%; M = 256-1024
 // -1.4..-6.5% (gpt-oss M = 1024 +0.8%); M = 16 -0.3..+1.7%. GEMM1 keeps one bf16 per store (see there).
-// Two things that did not work: computing the activation of rows past the expert (branch-free, as
-// the vector path does GEMM2's multiply) cost GEMM1 8% on half-filled tiles, and warp-uniform early
-// exits (break / return) for rows past the expert or past N made ptxas lengthen every k loop by
-// 35 instructions (decode GEMMs +10..+20%).
+// GEMM1's per-value work is about 17 instructions (was about 45): the activation without the IEEE
+// division's subroutine or exp's subnormal fix-up, its two forms one stream (mxfp4_math.cuh
+// mc_activation), one base pointer per thread, and every value's activation computed, its store alone
+// predicated (no branch per value). GEMM1 device time against session 17's epilogue, three rounds
+// interleaved in one session (benchmarks/NOTES.md 2026-12-01 (18)), M = 256 / 1024 / 4096 / 16384:
+// qwen3 -3.8 / -9.2 / -9.0 / -10.0%, gpt-oss -2.0 / -3.6 / -7.0 / -7.0%, dsv4-flash -1.2 / -1.8 / -4.6 /
+// -3.5%, dsv3 -0.6 / -1.5 / -6.2 / -2.6%. (Computing rows past the expert cost GEMM1 8% on
+// half-filled tiles while the activation held the division; the ridge's partial tiles now gain too.)
+// Warp-uniform early exits (break / return) for rows past the expert or past N made ptxas lengthen
+// every k loop by 35 instructions (decode GEMMs +10..+20%).
 #pragma once
 
 #include "cutlass/cutlass.h"
@@ -175,7 +181,6 @@ class MoeEpilogue {
     static_assert(size<0>(FrgLayout{}) == TileN / 2, "m64nNk16 accumulator");
     auto [m_lo, m_hi] = thread_rows(int(m_coord), tiled_mma, thread_idx);
     cutlass::bfloat16_t* out = reinterpret_cast<cutlass::bfloat16_t*>(params.out);
-    bool const has_bias = params.bias != nullptr;
 
     if constexpr (Kind == 2) {
       int const lane = thread_idx % 32, r = lane / 4, q = lane % 4;
@@ -190,9 +195,7 @@ class MoeEpilogue {
           float v[2];
           CUTLASS_PRAGMA_UNROLL
           for (int c = 0; c < 2; ++c) {
-            v[c] = acc(c + 2 * h + 4 * j);
-            if (has_bias) v[c] += h ? t.b_hi : t.b_lo;
-            v[c] *= t.w[j][c];
+            v[c] = (acc(c + 2 * h + 4 * j) + (h ? t.b_hi : t.b_lo)) * t.w[j][c];
           }
           x[k] = mc_transpose8x8(mc_pack_bf16x2(v[0], v[1]));
         }
@@ -206,22 +209,27 @@ class MoeEpilogue {
       // gate row m_lo, up row m_hi = m_lo + 8 (layout.py's paired order). One bf16 per store: the
       // vector stores measured -1..-6% on GEMM1 at qwen3 / gpt-oss M >= 1024 but +2..+7.5% at dsv3 /
       // dsv4-flash (K = 7168 / 4096), with ptxas's k loops as long as before, in another order.
-      Tensor tCcD = thread_coords(tiled_mma, thread_idx);
+      // value (c, h, j) is token n0 + 8j + 2q + c (the layout above)
       int const inter = params.n_real / 2;
-      float const L = params.limit;
+      int const q = thread_idx % 4;
       int const col = (m_lo >> 4) * 8 + (m_lo & 7);
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < TileN / 8; ++j) {
+      int const n_left = t.n_rows - n0 - 2 * q;   // this thread's values 8j + c < n_left are rows
+      McActivation const act = mc_activation_of(params.activation, params.alpha, params.limit);
+      // (the mov hides dst's formula: ptxas otherwise re-derives (row + 8j + c) * inter per value,
+      // 11 instructions and a branch per store, against one address instruction and a predicated store)
+      cutlass::bfloat16_t* dst = out + (row_base + n0 + 2 * q) * inter + col;
+      asm("mov.b64 %0, %0;" : "+l"(dst));
+      int64_t const stride = inter;
+      if (col < inter) {
         CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < 2; ++c) {
-          int const ig = c + 4 * j;        // (c, row half 0, j): gate
-          int const iu = ig + 2;           // (c, row half 1, j): up, row + 8
-          int const n = n0 + get<1>(tCcD(ig));
-          if (col < inter && n < t.n_rows) {
-            float g = acc(ig), u = acc(iu);
-            if (has_bias) { g += t.b_lo; u += t.b_hi; }
-            float const r = mc_activation(g, u, params.activation, params.alpha, L);
-            out[(row_base + n) * inter + col] = cutlass::bfloat16_t(r);
+        for (int j = 0; j < TileN / 8; ++j) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < 2; ++c) {
+            int const ig = c + 4 * j;        // (c, row half 0, j): gate
+            int const iu = ig + 2;           // (c, row half 1, j): up, row + 8
+            // bias rows are 0 without a bias (issue_begin): added unconditionally
+            float const r = mc_activation(acc(ig) + t.b_lo, acc(iu) + t.b_hi, act);
+            if (8 * j + c < n_left) dst[(8 * j + c) * stride] = cutlass::bfloat16_t(r);
           }
         }
       }
