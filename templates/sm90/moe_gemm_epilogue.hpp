@@ -19,6 +19,9 @@
 // time, two rounds each in one session (benchmarks/NOTES.md 2026-12-01 (16)), M = 4096 / 16384: qwen3
 // (K = 768) -10.2 / -9.8%, gpt-oss -3.0 / -6.0%, dsv4-flash -3.3 / -5.3%, dsv3 -3.5 / -6.5%; M = 256-1024
 // -1.4..-6.5% (gpt-oss M = 1024 +0.8%); M = 16 -0.3..+1.7%. GEMM1 keeps one bf16 per store (see there).
+// Each lane's 16-byte stores share one base pointer (group g is 4G tokens further), stores predicated:
+// GEMM2 -0.2..-3.4% in the layer (qwen3 M = 256-16384 -0.3..-1.9%), three rounds interleaved
+// (benchmarks/NOTES.md 2026-12-01 (18)).
 // GEMM1's per-value work is about 17 instructions (was about 45): the activation without the IEEE
 // division's subroutine or exp's subnormal fix-up, its two forms one stream (mxfp4_math.cuh
 // mc_activation), one base pointer per thread, and every value's activation computed, its store alone
@@ -184,8 +187,16 @@ class MoeEpilogue {
 
     if constexpr (Kind == 2) {
       int const lane = thread_idx % 32, r = lane / 4, q = lane % 4;
-      // word 2j + h: (weight rows m_h - r + 2q, +1; token n0 + 8j + r) after the transpose
+      // word 2j + h: (weight rows m_h - r + 2q, +1; token n0 + 8j + r) after the transpose. Lane q of a
+      // quad stores word g * G + q % G of group g: 4G tokens past its group 0 word's, in the same rows.
       constexpr int Words = TileN / 4, G = Words < 4 ? Words : 4;
+      int const word0 = q % G;
+      int const n_first = n0 + 8 * (word0 / 2) + r;
+      int const m = (word0 % 2 ? m_hi : m_lo) - r + 2 * (q & ~(G - 1));
+      int const n_left = m < params.n_real ? t.n_rows - n_first : 0;   // groups 4G g < n_left are rows
+      cutlass::bfloat16_t* dst = out + (row_base + n_first) * params.n_real + m;
+      asm("mov.b64 %0, %0;" : "+l"(dst));   // (as GEMM1's below)
+      int64_t const stride = int64_t(4 * G) * params.n_real;
       CUTLASS_PRAGMA_UNROLL
       for (int g = 0; g < Words / G; ++g) {
         uint32_t x[G];
@@ -200,10 +211,7 @@ class MoeEpilogue {
           x[k] = mc_transpose8x8(mc_pack_bf16x2(v[0], v[1]));
         }
         mc_lane_transpose(x, q);
-        int const word = g * G + q % G, j = word / 2, h = word % 2;
-        int const n = n0 + 8 * j + r;
-        int const m = (h ? m_hi : m_lo) - r + 2 * (q & ~(G - 1));
-        if (m < params.n_real && n < t.n_rows) mc_store_words(out + (row_base + n) * params.n_real + m, x);
+        if (4 * G * g < n_left) mc_store_words(dst + g * stride, x);
       }
     } else {
       // gate row m_lo, up row m_hi = m_lo + 8 (layout.py's paired order). One bf16 per store: the
