@@ -182,72 +182,66 @@ class MoeEpilogue {
     // lane 4r + q of warp w: per (h, j) an 8x8 block in the fragment layout of movmatrix.
     static_assert(size<1>(FrgLayout{}) == 1 && size<2>(FrgLayout{}) == 1, "one atom per warpgroup");
     static_assert(size<0>(FrgLayout{}) == TileN / 2, "m64nNk16 accumulator");
-    auto const rows = thread_rows(int(m_coord), tiled_mma, thread_idx);
-    int const m_lo = get<0>(rows), m_hi = get<1>(rows);
+    auto [m_lo, m_hi] = thread_rows(int(m_coord), tiled_mma, thread_idx);
     cutlass::bfloat16_t* out = reinterpret_cast<cutlass::bfloat16_t*>(params.out);
-    // Two copies of the stores, picked once per tile: without a bias, no add per value.
-    auto store = [&](auto with_bias) {
-      constexpr bool kBias = decltype(with_bias)::value;
-      auto biased = [](float v, float b) { return kBias ? v + b : v; };
-      if constexpr (Kind == 2) {
-        int const lane = thread_idx % 32, r = lane / 4, q = lane % 4;
-        // word 2j + h: (weight rows m_h - r + 2q, +1; token n0 + 8j + r) after the transpose. Lane q of a
-        // quad stores word g * G + q % G of group g: 4G tokens past its group 0 word's, in the same rows.
-        constexpr int Words = TileN / 4, G = Words < 4 ? Words : 4;
-        int const word0 = q % G;
-        int const n_first = n0 + 8 * (word0 / 2) + r;
-        int const m = (word0 % 2 ? m_hi : m_lo) - r + 2 * (q & ~(G - 1));
-        int const n_left = m < params.n_real ? t.n_rows - n_first : 0;   // groups 4G g < n_left are rows
-        cutlass::bfloat16_t* dst = out + (row_base + n_first) * params.n_real + m;
-        asm("mov.b64 %0, %0;" : "+l"(dst));   // (as GEMM1's below)
-        int64_t const stride = int64_t(4 * G) * params.n_real;
+
+    if constexpr (Kind == 2) {
+      int const lane = thread_idx % 32, r = lane / 4, q = lane % 4;
+      // word 2j + h: (weight rows m_h - r + 2q, +1; token n0 + 8j + r) after the transpose. Lane q of a
+      // quad stores word g * G + q % G of group g: 4G tokens past its group 0 word's, in the same rows.
+      constexpr int Words = TileN / 4, G = Words < 4 ? Words : 4;
+      int const word0 = q % G;
+      int const n_first = n0 + 8 * (word0 / 2) + r;
+      int const m = (word0 % 2 ? m_hi : m_lo) - r + 2 * (q & ~(G - 1));
+      int const n_left = m < params.n_real ? t.n_rows - n_first : 0;   // groups 4G g < n_left are rows
+      cutlass::bfloat16_t* dst = out + (row_base + n_first) * params.n_real + m;
+      asm("mov.b64 %0, %0;" : "+l"(dst));   // (as GEMM1's below)
+      int64_t const stride = int64_t(4 * G) * params.n_real;
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < Words / G; ++g) {
+        uint32_t x[G];
         CUTLASS_PRAGMA_UNROLL
-        for (int g = 0; g < Words / G; ++g) {
-          uint32_t x[G];
+        for (int k = 0; k < G; ++k) {
+          int const j = (g * G + k) / 2, h = (g * G + k) % 2;
+          float v[2];
           CUTLASS_PRAGMA_UNROLL
-          for (int k = 0; k < G; ++k) {
-            int const j = (g * G + k) / 2, h = (g * G + k) % 2;
-            float v[2];
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < 2; ++c) {
-              v[c] = biased(acc(c + 2 * h + 4 * j), h ? t.b_hi : t.b_lo) * t.w[j][c];
-            }
-            x[k] = mc_transpose8x8(mc_pack_bf16x2(v[0], v[1]));
+          for (int c = 0; c < 2; ++c) {
+            v[c] = (acc(c + 2 * h + 4 * j) + (h ? t.b_hi : t.b_lo)) * t.w[j][c];
           }
-          mc_lane_transpose(x, q);
-          if (4 * G * g < n_left) mc_store_words(dst + g * stride, x);
+          x[k] = mc_transpose8x8(mc_pack_bf16x2(v[0], v[1]));
         }
-      } else {
-        // gate row m_lo, up row m_hi = m_lo + 8 (layout.py's paired order). One bf16 per store: the
-        // vector stores measured -1..-6% on GEMM1 at qwen3 / gpt-oss M >= 1024 but +2..+7.5% at dsv3 /
-        // dsv4-flash (K = 7168 / 4096), with ptxas's k loops as long as before, in another order.
-        // value (c, h, j) is token n0 + 8j + 2q + c (the layout above)
-        int const inter = params.n_real / 2;
-        int const q = thread_idx % 4;
-        int const col = (m_lo >> 4) * 8 + (m_lo & 7);
-        int const n_left = t.n_rows - n0 - 2 * q;   // this thread's values 8j + c < n_left are rows
-        McActivation const act = mc_activation_of(params.activation, params.alpha, params.limit);
-        // (the mov hides dst's formula: ptxas otherwise re-derives (row + 8j + c) * inter per value,
-        // 11 instructions and a branch per store, against one address instruction and a predicated store)
-        cutlass::bfloat16_t* dst = out + (row_base + n0 + 2 * q) * inter + col;
-        asm("mov.b64 %0, %0;" : "+l"(dst));
-        int64_t const stride = inter;
-        if (col < inter) {
+        mc_lane_transpose(x, q);
+        if (4 * G * g < n_left) mc_store_words(dst + g * stride, x);
+      }
+    } else {
+      // gate row m_lo, up row m_hi = m_lo + 8 (layout.py's paired order). One bf16 per store: the
+      // vector stores measured -1..-6% on GEMM1 at qwen3 / gpt-oss M >= 1024 but +2..+7.5% at dsv3 /
+      // dsv4-flash (K = 7168 / 4096), with ptxas's k loops as long as before, in another order.
+      // value (c, h, j) is token n0 + 8j + 2q + c (the layout above)
+      int const inter = params.n_real / 2;
+      int const q = thread_idx % 4;
+      int const col = (m_lo >> 4) * 8 + (m_lo & 7);
+      int const n_left = t.n_rows - n0 - 2 * q;   // this thread's values 8j + c < n_left are rows
+      McActivation const act = mc_activation_of(params.activation, params.alpha, params.limit);
+      // (the mov hides dst's formula: ptxas otherwise re-derives (row + 8j + c) * inter per value,
+      // 11 instructions and a branch per store, against one address instruction and a predicated store)
+      cutlass::bfloat16_t* dst = out + (row_base + n0 + 2 * q) * inter + col;
+      asm("mov.b64 %0, %0;" : "+l"(dst));
+      int64_t const stride = inter;
+      if (col < inter) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < TileN / 8; ++j) {
           CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < TileN / 8; ++j) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < 2; ++c) {
-              int const ig = c + 4 * j;        // (c, row half 0, j): gate
-              int const iu = ig + 2;           // (c, row half 1, j): up, row + 8
-              float const r = mc_activation(biased(acc(ig), t.b_lo), biased(acc(iu), t.b_hi), act);
-              if (8 * j + c < n_left) dst[(8 * j + c) * stride] = cutlass::bfloat16_t(r);
-            }
+          for (int c = 0; c < 2; ++c) {
+            int const ig = c + 4 * j;        // (c, row half 0, j): gate
+            int const iu = ig + 2;           // (c, row half 1, j): up, row + 8
+            // bias rows are 0 without a bias (issue_begin): added unconditionally
+            float const r = mc_activation(acc(ig) + t.b_lo, acc(iu) + t.b_hi, act);
+            if (8 * j + c < n_left) dst[(8 * j + c) * stride] = cutlass::bfloat16_t(r);
           }
         }
       }
-    };
-    if (params.bias) store(cute::true_type{});
-    else store(cute::false_type{});
+    }
   }
 
   // The whole epilogue at once, for the stock kernels (the adapter's store()).
