@@ -38,6 +38,17 @@
 //     waited after the grouped scheduler's constructor, which already reads the first problem
 //     shapes: back-to-back calls then mixed one call's offsets into the next
 //     (tests/test_ops.py::test_replayed_calls_take_each_calls_arguments caught it).
+//  6. Where a tile has at most 8 k tiles (qwen3's GEMM2, K = 768), the consumer warpgroups are
+//     staggered: warpgroup c + 1 starts each tile's mainloop once warpgroup c has issued the tile's
+//     first k tile (a hardware barrier per pair), so one warpgroup's epilogue runs beside the other's
+//     GMMAs instead of all consumers leaving the tensor pipe idle at once (session 17's probe: the
+//     epilogue is 9-29% of the prefill GEMM2s). Single GEMM2s (bench_gemm, two rounds interleaved on
+//     each of two machines, benchmarks/NOTES.md 2026-12-01 (19)): 128x128x128 in clusters, qwen3
+//     M = 16384 -5.2 / -10.5% and -2.3%, M = 4096 (256 rows per expert) -3.3 / -5.6% and -5.2%;
+//     128x96x128 on 16 k tiles (dsv4-flash M = 4096) -1.2..-3%, but 23 k tiles (gpt-oss) +0.4..+9%
+//     and dsv3's 16 +0.7%; GEMM1 on 192 rows (16+ k tiles) +0.1..+0.8%. Staggering by two or three k
+//     tiles instead of one gave qwen3 M = 16384 +0.0% and +4.1% (the leading warpgroup then waits
+//     for stages the other holds).
 // Everything else is upstream's, line for line, minus the auxiliary-load producer warp (our mainloop
 // has no auxiliary load): kept so that a CUTLASS upgrade diffs against this file cleanly, upstream's
 // own repeated blocks (the epilogue tensormap update at the start and on a group change) included.
@@ -196,6 +207,16 @@ public:
   static constexpr uint32_t NumLoadWarpGroups = 1;
   static constexpr uint32_t NumMmaThreads = size(TiledMma{});
   static constexpr uint32_t NumMmaWarpGroups = NumMmaThreads / NumThreadsPerWarpGroup;
+  // (not upstream, 6.) Where a tile has few k tiles, consumer warpgroup c + 1 starts each tile's
+  // mainloop only once warpgroup c has issued that tile's first k tile (hardware barrier
+  // kStaggerBarrier + c; CUTLASS's reserved ones end at 5). Never with fewer than Stages - 1 k tiles:
+  // warpgroup c could then reach the next tile's arrive before c + 1 reached this tile's sync, and
+  // two arrives of one warpgroup would complete a barrier phase.
+  static constexpr int kStaggerBarrier = 8;
+  static constexpr int kStaggerMaxKTiles = 8;
+  CUTLASS_DEVICE static bool stagger_tiles(int k_tiles) {
+    return k_tiles <= kStaggerMaxKTiles && k_tiles + 2 > CollectiveMainloop::DispatchPolicy::Stages;
+  }
   static constexpr uint32_t MaxThreadsPerBlock = NumMmaThreads + (NumLoadWarpGroups * NumThreadsPerWarpGroup);
   static constexpr uint32_t MinBlocksPerMultiprocessor = 1;
   static constexpr uint32_t NumProducerThreads = CollectiveMainloop::NumProducerThreadEvents;
@@ -938,6 +959,10 @@ public:
         collective_epilogue.load_begin(epilogue_loads, blk_coord, tiled_mma, mma_thread_idx);
 
         if (TileScheduler::valid_warpgroup_in_work_tile(work_tile_info)) {
+          bool const stagger = stagger_tiles(work_k_tile_count);
+          if (stagger && consumer_warp_group_idx > 0) {
+            asm volatile("bar.sync %0, %1;" :: "r"(kStaggerBarrier + consumer_warp_group_idx - 1), "r"(2 * NumThreadsPerWarpGroup) : "memory");
+          }
 
           collective_mainloop.mma(
             mainloop_pipeline,
@@ -947,7 +972,12 @@ public:
             mma_thread_idx,
             shared_storage.tensors.mainloop,
             params.mainloop,
-            [&] { collective_epilogue.load_rows(epilogue_loads, blk_coord, tiled_mma, mma_thread_idx); }
+            [&] {
+              collective_epilogue.load_rows(epilogue_loads, blk_coord, tiled_mma, mma_thread_idx);
+              if (stagger && consumer_warp_group_idx + 1 < int(NumMmaWarpGroups)) {
+                asm volatile("bar.arrive %0, %1;" :: "r"(kStaggerBarrier + consumer_warp_group_idx), "r"(2 * NumThreadsPerWarpGroup) : "memory");
+              }
+            }
           );
 
           // Make sure the math instructions are done and free buffers before entering the epilogue
