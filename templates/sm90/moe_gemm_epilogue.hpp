@@ -151,6 +151,11 @@ class MoeEpilogue {
   // qwen3, 0..-2% elsewhere; GEMM1 on 128-row tiles about -1%; GEMM1 on the 192-row tiles (152
   // registers per thread) +1..2% at M = 256-1024, so those load in store_tile as before.
   static constexpr bool kLoadsWithMainloop = Kind == 2 || TileM == 128;
+  // Whether the kernel fork may stagger the consumer warpgroups on tiles of few k tiles
+  // (moe_gemm_kernel.hpp, 6.): GEMM2's 96/128-token tiles on 128 rows, the only ones where it was
+  // measured to pay. Elsewhere the kernel holds none of its code: merely present, never taken, it
+  // cost the ridge's GEMM1s +1.9..+3.0% (ptxas's schedule), and 192-row GEMM2s lost 4% with it.
+  static constexpr bool kStaggerConsumers = Kind == 2 && TileM == 128 && TileN >= 96;
   struct TileLoads {
     int32_t lo, hi, first, n_rows;
     float b_lo, b_hi;

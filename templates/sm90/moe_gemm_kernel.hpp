@@ -38,17 +38,17 @@
 //     waited after the grouped scheduler's constructor, which already reads the first problem
 //     shapes: back-to-back calls then mixed one call's offsets into the next
 //     (tests/test_ops.py::test_replayed_calls_take_each_calls_arguments caught it).
-//  6. Where a tile has at most 8 k tiles (qwen3's GEMM2, K = 768), the consumer warpgroups are
-//     staggered: warpgroup c + 1 starts each tile's mainloop once warpgroup c has issued the tile's
-//     first k tile (a hardware barrier per pair), so one warpgroup's epilogue runs beside the other's
-//     GMMAs instead of all consumers leaving the tensor pipe idle at once (session 17's probe: the
-//     epilogue is 9-29% of the prefill GEMM2s). Single GEMM2s (bench_gemm, two rounds interleaved on
-//     each of two machines, benchmarks/NOTES.md 2026-12-01 (19)): 128x128x128 in clusters, qwen3
-//     M = 16384 -5.2 / -10.5% and -2.3%, M = 4096 (256 rows per expert) -3.3 / -5.6% and -5.2%;
-//     128x96x128 on 16 k tiles (dsv4-flash M = 4096) -1.2..-3%, but 23 k tiles (gpt-oss) +0.4..+9%
-//     and dsv3's 16 +0.7%; GEMM1 on 192 rows (16+ k tiles) +0.1..+0.8%. Staggering by two or three k
-//     tiles instead of one gave qwen3 M = 16384 +0.0% and +4.1% (the leading warpgroup then waits
-//     for stages the other holds).
+//  6. GEMM2's 96/128-token tiles on 128 rows, where a tile has at most 8 k tiles (qwen3's K = 768),
+//     stagger the two consumer warpgroups: warpgroup 1 starts each tile's mainloop once warpgroup 0
+//     has issued the tile's first k tile (a hardware barrier), so one warpgroup's epilogue runs
+//     beside the other's GMMAs instead of both leaving the tensor pipe idle at once (session 17's
+//     probe: the epilogue is 9-29% of the prefill GEMM2s). Measured (benchmarks/NOTES.md 2026-12-01
+//     (19)): single GEMM2s, 128x128x128 in clusters, qwen3 M = 16384 -5.2 / -10.5% on one machine,
+//     -2.3% and -3.2% on two others, M = 4096 -3.3..-5.6%; in the layer (profile_stages, three rounds
+//     interleaved) qwen3's GEMM2 -3.1 / -1.0 / -2.0% at M = 1024 / 4096 / 16384. Not elsewhere
+//     (MoeEpilogue::kStaggerConsumers): 16 or 23 k tiles (dsv4-flash, dsv3, gpt-oss) -1.2..+9%;
+//     GEMM1 on 192 rows +0.1..+0.8%; GEMM2 on 192 rows (three warpgroups chained) +4%; staggering
+//     by two or three k tiles +0.0 / +4.1% (the leading warpgroup waits for stages the other holds).
 // Everything else is upstream's, line for line, minus the auxiliary-load producer warp (our mainloop
 // has no auxiliary load): kept so that a CUTLASS upgrade diffs against this file cleanly, upstream's
 // own repeated blocks (the epilogue tensormap update at the start and on a group change) included.
@@ -215,7 +215,7 @@ public:
   static constexpr int kStaggerBarrier = 8;
   static constexpr int kStaggerMaxKTiles = 8;
   CUTLASS_DEVICE static bool stagger_tiles(int k_tiles) {
-    return k_tiles <= kStaggerMaxKTiles && k_tiles + 2 > CollectiveMainloop::DispatchPolicy::Stages;
+    return CollectiveEpilogue::kStaggerConsumers && k_tiles <= kStaggerMaxKTiles && k_tiles + 2 > CollectiveMainloop::DispatchPolicy::Stages;
   }
   static constexpr uint32_t MaxThreadsPerBlock = NumMmaThreads + (NumLoadWarpGroups * NumThreadsPerWarpGroup);
   static constexpr uint32_t MinBlocksPerMultiprocessor = 1;
