@@ -1,7 +1,8 @@
-// moe_cutlass: no-smem ptr-array epilogues for the MoE GEMMs (swap-AB frame: accumulator rows =
+// moe_cutlass: ptr-array epilogues for the MoE GEMMs (swap-AB frame: accumulator rows =
 // weight rows m, columns = this expert's token rows n). In the style of CUTLASS's
 // epilogue/collective/default_epilogue_array.hpp, wrapped by Sm90TmaWarpSpecializedAdapter
-// (the PtrArrayNoSmemWarpSpecialized path), but with our own per-group addressing:
+// (the PtrArrayNoSmemWarpSpecialized path: no TMA store, no epilogue pipeline; the staging buffer
+// below is the kernel fork's, moe_gemm_kernel.hpp 7.), but with our own per-group addressing:
 // output row of token n of expert e = the first row of e that the launch's window takes (moe_rows.hpp:
 // expert_offsets[e], or past e's full chunks) + n (no pointer arrays needed).
 //
@@ -32,6 +33,16 @@
 // half-filled tiles while the activation held the division; the ridge's partial tiles now gain too.)
 // Warp-uniform early exits (break / return) for rows past the expert or past N made ptxas lengthen
 // every k loop by 35 instructions (decode GEMMs +10..+20%).
+// Where the stages leave room (MoeGemmConfig::StagingTokens: every tile of 16 or more tokens but
+// 128x64x128, 192x96x128, 192x16x128 and GEMM1's 128x16x256), both kinds transpose through shared memory
+// instead (store_staged): stmatrix.trans writes whole 8x8 blocks as token rows, a barrier per
+// warpgroup, then 16-byte reads and stores of one token row per 8 (GEMM2) or 4 (GEMM1) lanes. GEMM2
+// drops 32 movmatrix and 32 shuffles with their selects per thread for 8 stmatrix and 8 shared loads;
+// GEMM1 replaces 32 two-byte stores with 4 stmatrix, 4 loads and 4 sixteen-byte stores. Per GEMM in
+// the layer (profile_stages, three rounds interleaved in one session, min of three; benchmarks/NOTES.md
+// 2026-12-01 (20)), M = 1024 / 4096 / 16384: qwen3 GEMM2 -4.9 / -3.5 / -4.7%, GEMM1 -1.5 / -2.8 / -3.4%;
+// gpt-oss M = 16384 GEMM1 -4.4%, GEMM2 -1.4%; dsv4-flash M = 4096 GEMM2 -3.8%; dsv3 M = 16384 -2.5 /
+// -1.9%; decode and the ridge (M = 16-256) -1.6..+0.9%, within the rounds' spread.
 #pragma once
 
 #include "cutlass/cutlass.h"
@@ -99,7 +110,7 @@ struct MoeEpilogueArguments {
   float limit = INFINITY;
 };
 
-template <int Kind, class TileShape_>
+template <int Kind, class TileShape_, int StagingTokens_ = 0>
 class MoeEpilogue {
  public:
   using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
@@ -156,6 +167,22 @@ class MoeEpilogue {
   // measured to pay. Elsewhere the kernel holds none of its code: merely present, never taken, it
   // cost the ridge's GEMM1s +1.9..+3.0% (ptxas's schedule), and 192-row GEMM2s lost 4% with it.
   static constexpr bool kStaggerConsumers = Kind == 2 && TileM == 128 && TileN >= 96;
+  // GEMM2 through shared memory: each consumer warpgroup writes kStagingTokens tokens of its 64-row
+  // slab at a time into its own buffer with stmatrix (transposed: one 128-byte row per token, 16-byte
+  // chunks XOR-swizzled by the token's low 3 bits, conflict-free both ways), then reads back 16 bytes
+  // of a token row per lane and stores them. 0: the register transpose (movmatrix + quad shuffles).
+  // MoeGemmConfig picks the largest token count that fits beside the stages (no stage is given up).
+  static constexpr int kConsumerWarpGroups = TileM / 64;
+  static constexpr int kStagingTokens = StagingTokens_;
+  static constexpr int kStagingChunks = Kind == 2 ? 8 : 4;   // 16-byte chunks of a token's row in a slab
+  static_assert(kStagingTokens % (128 / kStagingChunks) == 0 && (kStagingTokens == 0 || TileN % kStagingTokens == 0),
+                "an stmatrix.x4 stores 16 (GEMM2) or 32 (GEMM1) tokens; rounds cover the tile");
+  struct StagingBuffer {
+    alignas(128) cute::array_aligned<uint4, kConsumerWarpGroups * kStagingTokens * kStagingChunks, 128> rows;
+  };
+  struct NoStaging {};
+  using Staging = cute::conditional_t<(kStagingTokens > 0), StagingBuffer, NoStaging>;
+  static constexpr int kStagingBarrier = 12;   // + warpgroup (the stagger's are 8 + c, CUTLASS's end at 7)
   struct TileLoads {
     int32_t lo, hi, first, n_rows;
     float b_lo, b_hi;
@@ -174,7 +201,8 @@ class MoeEpilogue {
 
   template <class BlockCoordMNKL, class FrgEngine, class FrgLayout, class TiledMma>
   CUTLASS_DEVICE void store_tile(TileLoads& t, BlockCoordMNKL blk_coord_mnkl,
-                            cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma, int thread_idx) const {
+                            cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma, int thread_idx,
+                            Staging& staging) const {
     if constexpr (!kLoadsWithMainloop) {
       issue_begin(t, blk_coord_mnkl, tiled_mma, thread_idx);
       issue_rows(t, blk_coord_mnkl, tiled_mma, thread_idx);
@@ -190,7 +218,9 @@ class MoeEpilogue {
     auto [m_lo, m_hi] = thread_rows(int(m_coord), tiled_mma, thread_idx);
     cutlass::bfloat16_t* out = reinterpret_cast<cutlass::bfloat16_t*>(params.out);
 
-    if constexpr (Kind == 2) {
+    if constexpr (kStagingTokens > 0) {
+      store_staged(t, int(m_coord), n0, acc, thread_idx, staging);
+    } else if constexpr (Kind == 2) {
       int const lane = thread_idx % 32, r = lane / 4, q = lane % 4;
       // word 2j + h: (weight rows m_h - r + 2q, +1; token n0 + 8j + r) after the transpose. Lane q of a
       // quad stores word g * G + q % G of group g: 4G tokens past its group 0 word's, in the same rows.
@@ -255,13 +285,82 @@ class MoeEpilogue {
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL, BlockShapeMNK, BlockCoordMNKL blk_coord_mnkl,
                                  cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma, ResidueMNK,
                                  int thread_idx, char*) {
+    static_assert(kStagingTokens == 0, "the stock kernels hold no staging buffer");
     TileLoads t;
+    Staging none;
     load_begin(t, blk_coord_mnkl, tiled_mma, thread_idx);
     load_rows(t, blk_coord_mnkl, tiled_mma, thread_idx);
-    store_tile(t, blk_coord_mnkl, acc, tiled_mma, thread_idx);
+    store_tile(t, blk_coord_mnkl, acc, tiled_mma, thread_idx, none);
   }
 
  private:
+  // The staged store. Accumulator value c + 2h + 4j of lane 4r + q of warp w (of the warpgroup) is
+  // weight row 16w + 8h + r of the slab, token 8j + 2q + c. GEMM2: y[row, m] = w[row] * (acc + b2[m]);
+  // per (h, j) an 8x8 block in stmatrix's fragment layout, which .trans stores as 8 token rows of 16
+  // bytes (chunk 2w + h of the token's 128-byte row); an x4 takes h = 0, 1 of two j: 16 tokens. GEMM1:
+  // the activation of (gate h = 0, up h = 1) is inter column 8w + r of the slab's 32; per j an 8x8
+  // block (chunk w of the token's 64-byte row); an x4 takes four j: 32 tokens. Chunks are XOR-swizzled
+  // by the token's position in its 128 bytes of banks, so that the 8 rows of a block, and the 8 lanes
+  // of a read-back phase, hit distinct banks.
+  template <class FrgEngine, class FrgLayout>
+  CUTLASS_DEVICE void store_staged(TileLoads const& t, int m_coord, int n0, cute::Tensor<FrgEngine, FrgLayout> const& acc,
+                                   int thread_idx, StagingBuffer& staging) const {
+    constexpr int Chunks = kStagingChunks, RowBytes = 16 * Chunks, Tx = 128 / Chunks;   // tokens per x4 / read
+    constexpr int Tc = kStagingTokens, Rounds = TileN / Tc, Per = Tc / Tx, PerRow = 128 / RowBytes;
+    int const wg = thread_idx / 128, wt = thread_idx % 128, w = wt / 32, lane = thread_idx % 32;
+    uint32_t const buf = static_cast<uint32_t>(__cvta_generic_to_shared(staging.rows.data())) + wg * Tc * RowBytes;
+    // stmatrix: lane 8i + rr gives row rr of block i, token (Kind 2) 8(i / 2) + rr or (Kind 1) 8i + rr
+    int const i = lane / 8, rr = lane % 8;
+    int const st_tok = (Kind == 2 ? 8 * (i / 2) : 8 * i) + rr;
+    int const st_chunk = Kind == 2 ? 2 * w + i % 2 : w;
+    uint32_t const st_addr = buf + st_tok * RowBytes + ((st_chunk ^ (st_tok / PerRow) % Chunks) << 4);
+    // read back: item s * 128 + wt is chunk wt % Chunks of token s * Tx + wt / Chunks
+    int const tok = wt / Chunks, ch = wt % Chunks;
+    uint32_t const ld_addr = buf + tok * RowBytes + ((ch ^ (tok / PerRow) % Chunks) << 4);
+    int const col = Kind == 2 ? m_coord * TileM + 64 * wg + 8 * ch : m_coord * TileM / 2 + 32 * wg + 8 * ch;
+    int const row_len = Kind == 2 ? params.n_real : params.n_real / 2;
+    int const n_left = col < row_len ? t.n_rows - n0 - tok : 0;   // tokens s * Tx + round * Tc < n_left are rows
+    cutlass::bfloat16_t* dst = reinterpret_cast<cutlass::bfloat16_t*>(params.out) + (int64_t(t.first) + n0 + tok) * row_len + col;
+    asm("mov.b64 %0, %0;" : "+l"(dst));   // (one base pointer: ptxas otherwise re-derives the product per store)
+    int64_t const stride = int64_t(Tx) * row_len;
+    McActivation const act = mc_activation_of(params.activation, params.alpha, params.limit);
+    CUTLASS_PRAGMA_UNROLL
+    for (int round = 0; round < Rounds; ++round) {
+      // the buffer is free once every lane of the warpgroup has read the previous round (or tile) back
+      // (the asm statements stay in program order: all volatile, the barriers clobber memory)
+      asm volatile("bar.sync %0, 128;" :: "r"(kStagingBarrier + wg) : "memory");
+      CUTLASS_PRAGMA_UNROLL
+      for (int p = 0; p < Per; ++p) {
+        uint32_t x[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < 4; ++k) {
+          float v[2];
+          if constexpr (Kind == 2) {
+            int const h = k % 2, j = round * Tc / 8 + 2 * p + k / 2;
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < 2; ++c) v[c] = (acc(c + 2 * h + 4 * j) + (h ? t.b_hi : t.b_lo)) * t.w[j][c];
+          } else {
+            int const j = round * Tc / 8 + 4 * p + k;
+            // bias rows are 0 without a bias (issue_begin): added unconditionally
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < 2; ++c) v[c] = mc_activation(acc(c + 4 * j) + t.b_lo, acc(c + 2 + 4 * j) + t.b_hi, act);
+          }
+          x[k] = mc_pack_bf16x2(v[0], v[1]);
+        }
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                     :: "r"(st_addr + p * Tx * RowBytes), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]));
+      }
+      asm volatile("bar.sync %0, 128;" :: "r"(kStagingBarrier + wg) : "memory");
+      CUTLASS_PRAGMA_UNROLL
+      for (int s = 0; s < Per; ++s) {
+        uint4 v;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(ld_addr + s * Tx * RowBytes));
+        if (Tx * s + round * Tc < n_left) *reinterpret_cast<uint4*>(dst + (s + round * Per) * stride) = v;
+      }
+    }
+  }
+
   template <class BlockCoordMNKL, class TiledMma>
   CUTLASS_DEVICE void issue_begin(TileLoads& t, BlockCoordMNKL blk_coord_mnkl, TiledMma tiled_mma, int thread_idx) const {
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;

@@ -49,6 +49,9 @@
 //     (MoeEpilogue::kStaggerConsumers): 16 or 23 k tiles (dsv4-flash, dsv3, gpt-oss) -1.2..+9%;
 //     GEMM1 on 192 rows +0.1..+0.8%; GEMM2 on 192 rows (three warpgroups chained) +4%; staggering
 //     by two or three k tiles +0.0 / +4.1% (the leading warpgroup waits for stages the other holds).
+//  7. The epilogue's staging buffer (moe_gemm_epilogue.hpp, MoeEpilogue::Staging) sits in the kernel's
+//     tensor storage beside the mainloop's; upstream's no-smem epilogue has none, and its adapter
+//     would give the epilogue's SharedStorage to the tensormap storage as well. store_tile gets it.
 // Everything else is upstream's, line for line, minus the auxiliary-load producer warp (our mainloop
 // has no auxiliary load): kept so that a CUTLASS upgrade diffs against this file cleanly, upstream's
 // own repeated blocks (the epilogue tensormap update at the start and on a group change) included.
@@ -247,6 +250,7 @@ public:
 
       MainloopTensorStorage mainloop;
       EpilogueTensorStorage epilogue;
+      typename CollectiveEpilogue::Staging staging;   // (not upstream, 7.)
     } tensors;
 
     struct PipelineStorage : cute::aligned_struct<16, _1> {
@@ -1003,7 +1007,8 @@ public:
 
           // Epilogue and write to gD (not upstream: from the loads issued with the mainloop; our
           // epilogue has no load or store pipeline, so the pipeline states stay as they are)
-          collective_epilogue.store_tile(epilogue_loads, blk_coord, accumulators, tiled_mma, mma_thread_idx);
+          collective_epilogue.store_tile(epilogue_loads, blk_coord, accumulators, tiled_mma, mma_thread_idx,
+                                         shared_storage.tensors.staging);
           do_store_tail = true;
         }
 

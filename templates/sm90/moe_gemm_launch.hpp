@@ -76,7 +76,19 @@ struct MoeGemmConfig {
   static constexpr int Stages = StagesRaw > 24 ? 24 : StagesRaw;
   static_assert(Stages >= 2);
   using Mainloop = Mxfp4MoeMainloop<Stages, TileShape, Schedule, ClusterM>;
-  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<MoeEpilogue<Kind, TileShape>>;
+  // The epilogue's staging buffer (moe_gemm_epilogue.hpp) takes what the stages leave: the largest
+  // round of tokens (a multiple of 16 for GEMM2, 32 for GEMM1's half-width rows) dividing TileN whose
+  // output rows fit; 0 (stores from registers) where none does.
+  static constexpr int StagingTokens = [] {
+    int const left = kSmemBudget - Stages * (StageBytes + 32);
+    int const step = Kind == 2 ? 16 : 32, row_bytes = Kind == 2 ? 2 * TileM : TileM;
+    int best = 0;
+    for (int tc = step; tc <= TileN; tc += step) {
+      if (TileN % tc == 0 && row_bytes * tc <= left) best = tc;
+    }
+    return Pingpong ? 0 : best;
+  }();
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<MoeEpilogue<Kind, TileShape, StagingTokens>>;
   using ProblemShape = MoeProblemShape;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
