@@ -45,9 +45,9 @@
 //     probe: the epilogue is 9-29% of the prefill GEMM2s). Measured (benchmarks/NOTES.md 2026-12-01
 //     (19)): single GEMM2s, 128x128x128 in clusters, qwen3 M = 16384 -5.2 / -10.5% on one machine,
 //     -2.3% and -3.2% on two others, M = 4096 -3.3..-5.6%; in the layer (profile_stages, three rounds
-//     interleaved) qwen3's GEMM2 -3.1 / -1.0 / -2.0% at M = 1024 / 4096 / 16384. Not elsewhere
+//     interleaved, the final library) qwen3's GEMM2 -3.4 / -1.4 / -2.2% at M = 1024 / 4096 / 16384. Not elsewhere
 //     (MoeEpilogue::kStaggerConsumers): 16 or 23 k tiles (dsv4-flash, dsv3, gpt-oss) -1.2..+9%;
-//     GEMM1 on 192 rows +0.1..+0.8%; GEMM2 on 192 rows (three warpgroups chained) +4%; staggering
+//     GEMM1 on 192 rows +0.1..+0.8%; GEMM2 on 192 rows (three warpgroups chained) +3.4..+4.4%; staggering
 //     by two or three k tiles +0.0 / +4.1% (the leading warpgroup waits for stages the other holds).
 //  7. The epilogue's staging buffer (moe_gemm_epilogue.hpp, MoeEpilogue::Staging) sits in the kernel's
 //     tensor storage beside the mainloop's; upstream's no-smem epilogue has none, and its adapter
