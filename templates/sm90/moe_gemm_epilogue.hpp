@@ -167,11 +167,11 @@ class MoeEpilogue {
   // measured to pay. Elsewhere the kernel holds none of its code: merely present, never taken, it
   // cost the ridge's GEMM1s +1.9..+3.0% (ptxas's schedule), and 192-row GEMM2s lost 4% with it.
   static constexpr bool kStaggerConsumers = Kind == 2 && TileM == 128 && TileN >= 96;
-  // GEMM2 through shared memory: each consumer warpgroup writes kStagingTokens tokens of its 64-row
-  // slab at a time into its own buffer with stmatrix (transposed: one 128-byte row per token, 16-byte
-  // chunks XOR-swizzled by the token's low 3 bits, conflict-free both ways), then reads back 16 bytes
-  // of a token row per lane and stores them. 0: the register transpose (movmatrix + quad shuffles).
-  // MoeGemmConfig picks the largest token count that fits beside the stages (no stage is given up).
+  // The transpose through shared memory (store_staged): each consumer warpgroup writes kStagingTokens
+  // tokens of its 64-row slab at a time into its own buffer with stmatrix (one row per token: 128 bytes
+  // for GEMM2, 64 for GEMM1's half-width output), then reads back 16 bytes of a token row per lane and
+  // stores them. 0: stores from registers (GEMM2's movmatrix + quad shuffles, GEMM1's one bf16 per
+  // store). MoeGemmConfig picks the largest token count that fits beside the stages (no stage given up).
   static constexpr int kConsumerWarpGroups = TileM / 64;
   static constexpr int kStagingTokens = StagingTokens_;
   static constexpr int kStagingChunks = Kind == 2 ? 8 : 4;   // 16-byte chunks of a token's row in a slab
@@ -182,7 +182,7 @@ class MoeEpilogue {
   };
   struct NoStaging {};
   using Staging = cute::conditional_t<(kStagingTokens > 0), StagingBuffer, NoStaging>;
-  static constexpr int kStagingBarrier = 12;   // + warpgroup (the stagger's are 8 + c, CUTLASS's end at 7)
+  static constexpr int kStagingBarrier = 12;   // + warpgroup (the stagger's are 8 + c; CUTLASS reserves 1-7)
   struct TileLoads {
     int32_t lo, hi, first, n_rows;
     float b_lo, b_hi;
