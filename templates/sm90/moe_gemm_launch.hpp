@@ -78,7 +78,8 @@ struct MoeGemmConfig {
   using Mainloop = Mxfp4MoeMainloop<Stages, TileShape, Schedule, ClusterM>;
   // The epilogue's staging buffer (moe_gemm_epilogue.hpp) takes what the stages leave: the largest
   // round of tokens (a multiple of 16 for GEMM2, 32 for GEMM1's half-width rows) dividing TileN whose
-  // output rows fit; 0 (stores from registers) where none does.
+  // output rows fit; 0 (stores from registers) where none does. A stage given up so that 128x64x128 and
+  // 192x96x128 stage too measured -0.4..-2.9% on single GEMMs, once +12% (benchmarks/NOTES.md 2026-12-01 (20)).
   static constexpr int StagingTokens = [] {
     int const left = kSmemBudget - Stages * (StageBytes + 32);
     int const step = Kind == 2 ? 16 : 32, row_bytes = Kind == 2 ? 2 * TileM : TileM;
