@@ -212,7 +212,7 @@ public:
   static constexpr uint32_t NumMmaWarpGroups = NumMmaThreads / NumThreadsPerWarpGroup;
   // (not upstream, 6.) Where a tile has few k tiles, consumer warpgroup c + 1 starts each tile's
   // mainloop only once warpgroup c has issued that tile's first k tile (hardware barrier
-  // kStaggerBarrier + c; CUTLASS's reserved ones end at 5). Never with fewer than Stages - 1 k tiles:
+  // kStaggerBarrier + c; CUTLASS reserves 1-7, cutlass/arch/barrier.h). Never with fewer than Stages - 1 k tiles:
   // warpgroup c could then reach the next tile's arrive before c + 1 reached this tile's sync, and
   // two arrives of one warpgroup would complete a barrier phase.
   static constexpr int kStaggerBarrier = 8;
