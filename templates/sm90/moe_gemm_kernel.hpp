@@ -981,7 +981,9 @@ public:
               if (stagger && consumer_warp_group_idx + 1 < int(NumMmaWarpGroups)) {
                 asm volatile("bar.arrive %0, %1;" :: "r"(kStaggerBarrier + consumer_warp_group_idx), "r"(2 * NumThreadsPerWarpGroup) : "memory");
               }
-            }
+            },
+            // (not upstream) the tile's tokens: the expert's rows in this launch past the tile's first
+            int(get<1>(problem_shape_MNKL)) - int(n_coord) * int(size<1>(blk_shape))
           );
 
           // Make sure the math instructions are done and free buffers before entering the epilogue

@@ -12,6 +12,10 @@
 // (GemmUniversalAdapter::initialize, cached), no device memory is read.
 #pragma once
 
+// CuTe's GMMA atoms of every width (m64n40k16 and the like) for the GMMAs over a tile's tokens
+// (moe_gemm_mainloop.hpp item 12); before any CUTLASS header.
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <cstddef>

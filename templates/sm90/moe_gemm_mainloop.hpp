@@ -90,6 +90,18 @@
 //     interleaved (benchmarks/NOTES.md 2026-12-01 (17)), GEMM1 / GEMM2 at M = 16384: dsv3 -3.4 / -4.6%,
 //     dsv4-flash -2.1 / -2.9%, gpt-oss -1.9 / -0.5%, qwen3 -0.2 / -0.7%; at M = 4096 -1.3..+3.3%, so
 //     _gemm.plan takes them from CLUSTER_MIN_ROWS rows per expert.
+// 12. GMMAs over the tile's tokens (kTokenGmmas: the 192-row tiles of 64-128 tokens). An expert's last
+//     token tile holds fewer than TileN tokens; its GMMAs run m64n(8B)k16 with 8B the tokens rounded up
+//     to 8, one of the four widths in the tile's upper half (40, 48, 56, 64 for a 64-token tile), into a
+//     prefix of the same accumulator registers and over the first rows of the same B descriptor (CuTe's
+//     extended shapes). The kernel fork passes the tokens; the width is chosen once per tile, by a copy
+//     of the whole mainloop per width. Why: at the M = 1024 ridge, ncu has the tensor pipe 63-70% busy
+//     in the 64-token parts (33-64 tokens per tile, most below 48), and a probe build measured the
+//     GMMAs and the conversion costing more together than apart (NOTES.md 2026-12-02 (21)): the
+//     padded MMA work is paid for. Upstream has one width per kernel. Chosen per k tile, in branches
+//     around the GMMAs, ptxas serialized every GMMA of the function (C7520, a fence in a divergent
+//     path); the 128-row tiles (two consumer warpgroups, 168 registers) got C7520 with the per-tile
+//     copies too, so they keep the full width.
 //
 // Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
 // decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
@@ -104,6 +116,8 @@
 // weight) is 3-14% faster than 128 for those tiles (NOTES.md 2026-12-01 (5)); more accumulator
 // chains changed nothing.
 #pragma once
+
+#include <utility>
 
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/dispatch_policy.hpp"
@@ -124,6 +138,37 @@
 
 namespace moe_cutlass {
 using namespace cute;
+
+#if !defined(CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED)
+#error "moe_gemm_launch.hpp enables CuTe's extended GMMA shapes (item 12 issues m64n40k16 and the like)"
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// GMMAs over the tile's tokens only (item 12).
+// ---------------------------------------------------------------------------------------------
+// The RS GMMA m64n(8B)k16 into the first 4B accumulator values of a wider tile's fragment: the
+// accumulator holds 8-token column blocks in order (value c + 2h + 4j is column 8j + ...), so the
+// narrower instruction writes a prefix of the same registers and reads the first 8B rows of the
+// same B descriptor.
+template <int B>
+using McRsGmma = decltype(GMMA::rs_op_selector<cutlass::bfloat16_t, cutlass::bfloat16_t, float,
+                                               Shape<_64, Int<8 * B>, _16>, GMMA::Major::K, GMMA::Major::K>());
+
+template <int B, class FragA, class Accum, int... I>
+CUTLASS_DEVICE void mc_gmma_blocks(FragA const& a, uint64_t desc_b, Accum& acc, std::integer_sequence<int, I...>) {
+  McRsGmma<B>::fma(a(0), a(1), a(2), a(3), desc_b, acc(I)..., GMMA::ScaleOut::One);
+}
+
+// The arrive and the GMMAs of one register set's k-blocks (fa: its A words, (4, 1, Count); descs: the
+// stage's B descriptors, from k-block Kb0 on) over the first 8B tokens.
+template <int B, int Kb0, int Count, class FragA, class DescB, class Accum>
+CUTLASS_DEVICE void mc_token_gmmas(FragA const& fa, DescB const& descs, Accum& acc) {
+  warpgroup_arrive();
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < Count; ++j) {
+    mc_gmma_blocks<B>(fa(_, 0, j), uint64_t(descs(Kb0 + j)), acc, std::make_integer_sequence<int, 4 * B>{});
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // The mainloop collective.
@@ -161,6 +206,18 @@ struct Mxfp4MoeMainloop {
   static constexpr int Groups = TileK / 32;           // MX scale groups per k tile
   // accumulator chains per warpgroup (registers allow it for small N)
   static constexpr int NumAcc = TileN <= 16 ? 4 : (TileN <= 32 ? 2 : 1);
+  // GMMAs over the tile's tokens rounded up to 8, not TileN (item 12): the one-chain tiles.
+#ifdef MC_PROBE_NO_MMA
+  static constexpr bool kTokenGmmas = false;   // the probe's sink lives in the TileN-wide loops
+#else
+  static constexpr bool kTokenGmmas = NumAcc == 1 && TileM == 192;
+#endif
+  // The widths built, in 8-token blocks: the TileN / 8 - kTokenWidths + 1 .. TileN / 8. Each is a copy of
+  // the mainloop (the width is chosen once per tile: chosen per k tile, in branches around the GMMAs,
+  // ptxas fenced them in a divergent path and serialized them, C7520). A part's tiles hold more than
+  // half of TileN tokens unless a smaller part was left out of the plan (_gemm.split_plan): four
+  // widths cover the part's upper half (33..64 tokens of a 64-token tile in 40, 48, 56, 64).
+  static constexpr int kTokenWidths = kTokenGmmas ? 4 : 1;
   // A register sets hold half a k tile where two whole ones do not fit: three consumer warpgroups
   // (152 registers each) with TileK 256 (64 registers per whole set) or 96/128 tokens (48/64
   // accumulator registers).
@@ -470,10 +527,12 @@ struct Mxfp4MoeMainloop {
   struct NoHook {
     CUTLASS_DEVICE void operator()() const {}
   };
+  // tokens: the tile's token rows (the last token tile of an expert has fewer than TileN); where
+  // kTokenGmmas, its GMMAs cover them rounded up to 8 (item 12).
   template <class FrgTensorC, class Hook = NoHook>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
                           int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const& p,
-                          Hook const& after_first_tile = Hook{}) {
+                          Hook const& after_first_tile = Hook{}, int tokens = TileN) {
     static_assert(is_rmem<FrgTensorC>::value, "C tensor must be rmem resident.");
     constexpr int MmaWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
     static_assert(MmaWarpGroups * 64 == TileM, "one 64-row slab per consumer warpgroup");
@@ -571,13 +630,19 @@ struct Mxfp4MoeMainloop {
 #endif
     using H0 = cute::integral_constant<int, 0>;
     using H1 = cute::integral_constant<int, 1>;
+    // Tokens of the tile in 8-token blocks, for the GMMAs over them (item 12).
+    int const token_blocks = (tokens + 7) / 8;
     // The GMMAs of half `half` of the k tile in `stage` on `frag`, one arrive and one commit (the
     // half-tile schedule; the whole-set step below writes the same loop out).
-    auto issue = [&](auto& frag, int stage, auto half) {
+    auto issue = [&](auto& frag, int stage, auto half, auto blocks) {
       warpgroup_fence_operand(frag);
       warpgroup_fence_operand(accum);
       if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
       if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
+      if constexpr (kTokenGmmas) {
+        mc_token_gmmas<decltype(blocks)::value, decltype(half)::value * KSet, KSet>(
+            recast<uint32_t>(frag), tCrB(_0{}, _0{}, _, stage), accum);
+      } else {
       warpgroup_arrive();
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < KSet; ++j) {
@@ -601,6 +666,7 @@ struct Mxfp4MoeMainloop {
           cute::gemm(tiled_mma, frag(_, _, j), tCrB(_, _, kb, stage), acc3);
         }
       }
+      }
       warpgroup_commit_batch();
     };
     auto wait_gmmas = [&]() {
@@ -609,7 +675,9 @@ struct Mxfp4MoeMainloop {
       if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
       if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
     };
-    auto run = [&](auto slow) {
+    // One copy of the mainloop per scale path and GMMA width (always inlined: a call would end the
+    // GMMAs' pipeline at its boundary, C7510).
+    auto run = [&](auto slow, auto blocks) __attribute__((always_inline)) {
       {
         auto token = pipeline.consumer_try_wait(smem_pipe_read);
         pipeline.consumer_wait(smem_pipe_read, token);
@@ -622,10 +690,14 @@ struct Mxfp4MoeMainloop {
           warpgroup_fence_operand(accum);
           if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
           if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
-          warpgroup_arrive();
           // issue() above, written out: called through a lambda, this loop got other schedules from
           // ptxas for 128x16x256 and 128x32x256; written out, every whole-set tile's SASS is the one
           // measured before half sets existed
+          if constexpr (kTokenGmmas) {
+            mc_token_gmmas<decltype(blocks)::value, 0, KBlocks>(recast<uint32_t>(frag_now),
+                                                                tCrB(_0{}, _0{}, _, stage), accum);
+          } else {
+          warpgroup_arrive();
           CUTLASS_PRAGMA_UNROLL
           for (int kb = 0; kb < KBlocks; ++kb) {
 #ifdef MC_PROBE_NO_MMA
@@ -645,6 +717,7 @@ struct Mxfp4MoeMainloop {
             } else {
               cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc3);
             }
+          }
           }
           warpgroup_commit_batch();
           ++smem_pipe_read;
@@ -678,14 +751,14 @@ struct Mxfp4MoeMainloop {
         CUTLASS_PRAGMA_NO_UNROLL
         while (true) {
           int const stage = smem_pipe_read.index();
-          issue(tCrA0, stage, H0{});
+          issue(tCrA0, stage, H0{}, blocks);
           convert_tile(slow, stage, tCrA1, H1{});
           if (first) {
             after_first_tile();
             first = false;
           }
           wait_gmmas();
-          issue(tCrA1, stage, H1{});
+          issue(tCrA1, stage, H1{}, blocks);
           ++smem_pipe_read;
           if (k_tile_count > 1) {
             auto token = pipeline.consumer_try_wait(smem_pipe_read);
@@ -699,10 +772,22 @@ struct Mxfp4MoeMainloop {
         }
       }
     };
+    // The slow scale path (rare: a scale byte above 128) keeps the full width.
+    constexpr int kFull = TileN / 8;
     if (p.slow_scales) {
-      run(cute::true_type{});
+      run(cute::true_type{}, Int<kFull>{});
+    } else if constexpr (kTokenWidths == 4) {
+      if (token_blocks <= kFull - 3) {
+        run(cute::false_type{}, Int<kFull - 3>{});
+      } else if (token_blocks == kFull - 2) {
+        run(cute::false_type{}, Int<kFull - 2>{});
+      } else if (token_blocks == kFull - 1) {
+        run(cute::false_type{}, Int<kFull - 1>{});
+      } else {
+        run(cute::false_type{}, Int<kFull>{});
+      }
     } else {
-      run(cute::false_type{});
+      run(cute::false_type{}, Int<kFull>{});
     }
 #ifdef MC_PROBE_NO_MMA
     if (probe_sink == 0x9E3779B9u) accum(0) += 1.0f;
