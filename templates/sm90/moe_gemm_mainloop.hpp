@@ -101,7 +101,9 @@
 //     padded MMA work is paid for. Upstream has one width per kernel. Chosen per k tile, in branches
 //     around the GMMAs, ptxas serialized every GMMA of the function (C7520, a fence in a divergent
 //     path); the 128-row tiles (two consumer warpgroups, 168 registers) got C7520 with the per-tile
-//     copies too, so they keep the full width.
+//     copies too, so they keep the full width. Per GEMM in the layer against the full width (two
+//     rounds, NOTES.md (21)): dsv3 M = 1024 GEMM1 / GEMM2 -10.2 / -10.0%, gpt-oss -5.5 / -5.9%, M = 4096
+//     -3.4..+1.5%; qwen3 M = 1024 GEMM2 +4.6% (K = 768: three k tiles a tile, 56 or 64 wide either way).
 //
 // Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
 // decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
