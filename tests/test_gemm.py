@@ -237,6 +237,47 @@ def test_grouped_gemm1(H, I, gate_up, config):
     assert relerr(out[:total].cpu(), ref) < 1e-2
 
 
+def _token_width_configs():
+    """The configs whose GMMAs run as wide as the tile's tokens: 192-row tiles of 64-128 tokens."""
+    return [c for c in CONFIGS1 + CONFIGS2 if "_m192n" in c and int(c.split("_m192n")[1].split("k")[0]) >= 64]
+
+
+@pytest.mark.parametrize("config", _token_width_configs() or ["moe_gemm1_m192n64k128_coop"])
+def test_every_token_width(config):
+    """moe_gemm_mainloop.hpp item 12: an expert's last token tile runs its GMMAs over its tokens rounded up
+    to 8 (four widths in the tile's upper half, the narrowest below). Experts whose last tile holds 1, half
+    the tile -+ 1, each width's first and last count, and a full tile plus a tail, each against the reference."""
+    tile_n = int(config.split("_m192n")[1].split("k")[0])
+    half = tile_n // 2
+    counts = [1, half - 1, half + 1, half + 8, half + 9, tile_n - 15, tile_n - 8, tile_n - 7, tile_n - 1, tile_n,
+              tile_n + half + 3]
+    E = len(counts)
+    gen = torch.Generator().manual_seed(tile_n)
+    total = sum(counts)
+    if config.startswith("moe_gemm1_"):
+        H, I = 256, 192
+        blocks, scales = random_weights(E, 2 * I, H, gen)
+        bias = torch.randn(E, 2 * I, generator=gen)
+        x = torch.randn(total, H, generator=gen).to(torch.bfloat16)
+        out = run_gemm1(blocks, scales, bias, x, counts, config=config)
+        ref = ref_gemm1(dequant(blocks, scales), bias, x, counts, "silu", 1.702, None)
+    else:
+        H, I = 384, 256
+        blocks, scales = random_weights(E, H, I, gen)
+        bias = torch.randn(E, H, generator=gen)
+        x = torch.randn(total, I, generator=gen).to(torch.bfloat16)
+        w = torch.rand(total, generator=gen)
+        out = run_gemm2(blocks, scales, bias, x, counts, w, config=config)
+        ref = ref_gemm2(dequant(blocks, scales), bias, x, w, counts)
+    assert torch.isnan(out[total:].float()).all(), "wrote past the last row"
+    out = out[:total].cpu()
+    r = 0
+    for e, c in enumerate(counts):
+        assert not torch.isnan(out[r:r + c].float()).any(), f"expert {e} ({c} rows): rows left unwritten"
+        assert relerr(out[r:r + c], ref[r:r + c]) < 1e-2, f"expert {e} ({c} rows)"
+        r += c
+
+
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
 @pytest.mark.parametrize("limit", [None, 7.0])
 @pytest.mark.parametrize("with_bias", [False, True])
