@@ -1,5 +1,7 @@
 """The SM90 MXFP4 x BF16 grouped GEMMs (templates/sm90/moe_gemm*), against float32 torch."""
 
+import re
+
 import pytest
 import torch
 
@@ -237,20 +239,26 @@ def test_grouped_gemm1(H, I, gate_up, config):
     assert relerr(out[:total].cpu(), ref) < 1e-2
 
 
+def _token_widths(config: str) -> int:
+    """How many GMMA widths the config's mainloop holds (moe_gemm_mainloop.hpp, kTokenWidths)."""
+    m, n = (int(v) for v in re.search(r"_m(\d+)n(\d+)k", config).groups())
+    return min(4, n // 8) if m == 192 else (2 if n == 16 else 1)
+
+
 def _token_width_configs():
-    """The configs whose GMMAs run as wide as the tile's tokens: 192-row tiles of 64-128 tokens."""
-    return [c for c in CONFIGS1 + CONFIGS2 if "_m192n" in c and int(c.split("_m192n")[1].split("k")[0]) >= 64]
+    """The configs whose GMMAs run as wide as the tile's tokens (moe_gemm_mainloop.hpp item 12)."""
+    return [c for c in CONFIGS1 + CONFIGS2 if _token_widths(c) > 1]
 
 
 @pytest.mark.parametrize("config", _token_width_configs() or ["moe_gemm1_m192n64k128_coop"])
 def test_every_token_width(config):
     """moe_gemm_mainloop.hpp item 12: an expert's last token tile runs its GMMAs over its tokens rounded up
-    to 8 (four widths in the tile's upper half, the narrowest below). Experts whose last tile holds 1, half
+    to 8 (the widths in the tile's upper half, the narrowest below). Experts whose last tile holds 1, half
     the tile -+ 1, each width's first and last count, and a full tile plus a tail, each against the reference."""
-    tile_n = int(config.split("_m192n")[1].split("k")[0])
-    half = tile_n // 2
-    counts = [1, half - 1, half + 1, half + 8, half + 9, tile_n - 15, tile_n - 8, tile_n - 7, tile_n - 1, tile_n,
-              tile_n + half + 3]
+    tile_n = int(re.search(r"_m\d+n(\d+)k", config).group(1))
+    half, full = tile_n // 2, tile_n // 8
+    counts = sorted({1, half - 1, half + 1, tile_n + half + 3}
+                    | {c for w in range(full - _token_widths(config) + 1, full + 1) for c in (8 * w - 7, 8 * w)})
     E = len(counts)
     gen = torch.Generator().manual_seed(tile_n)
     total = sum(counts)

@@ -52,6 +52,9 @@
 //  7. The epilogue's staging buffer (moe_gemm_epilogue.hpp, MoeEpilogue::Staging) sits in the kernel's
 //     tensor storage beside the mainloop's; upstream's no-smem epilogue has none, and its adapter
 //     would give the epilogue's SharedStorage to the tensormap storage as well. store_tile gets it.
+//  8. mma() gets the tile's tokens (the expert's rows in this launch past the tile's first), so that
+//     the mainloop runs its GMMAs only as wide as them (moe_gemm_mainloop.hpp item 12); upstream's
+//     GMMAs always span the whole tile.
 // Everything else is upstream's, line for line, minus the auxiliary-load producer warp (our mainloop
 // has no auxiliary load): kept so that a CUTLASS upgrade diffs against this file cleanly, upstream's
 // own repeated blocks (the epilogue tensormap update at the start and on a group change) included.

@@ -90,20 +90,25 @@
 //     interleaved (benchmarks/NOTES.md 2026-12-01 (17)), GEMM1 / GEMM2 at M = 16384: dsv3 -3.4 / -4.6%,
 //     dsv4-flash -2.1 / -2.9%, gpt-oss -1.9 / -0.5%, qwen3 -0.2 / -0.7%; at M = 4096 -1.3..+3.3%, so
 //     _gemm.plan takes them from CLUSTER_MIN_ROWS rows per expert.
-// 12. GMMAs over the tile's tokens (kTokenGmmas: the 192-row tiles of 64-128 tokens). An expert's last
-//     token tile holds fewer than TileN tokens; its GMMAs run m64n(8B)k16 with 8B the tokens rounded up
-//     to 8, one of the four widths in the tile's upper half (40, 48, 56, 64 for a 64-token tile), into a
-//     prefix of the same accumulator registers and over the first rows of the same B descriptor (CuTe's
-//     extended shapes). The kernel fork passes the tokens; the width is chosen once per tile, by a copy
-//     of the whole mainloop per width. Why: at the M = 1024 ridge, ncu has the tensor pipe 63-70% busy
-//     in the 64-token parts (33-64 tokens per tile, most below 48), and a probe build measured the
-//     GMMAs and the conversion costing more together than apart (NOTES.md 2026-12-02 (21)): the
-//     padded MMA work is paid for. Upstream has one width per kernel. Chosen per k tile, in branches
-//     around the GMMAs, ptxas serialized every GMMA of the function (C7520, a fence in a divergent
-//     path); the 128-row tiles (two consumer warpgroups, 168 registers) got C7520 with the per-tile
-//     copies too, so they keep the full width. Per GEMM in the layer against the full width (two
-//     rounds, NOTES.md (21)): dsv3 M = 1024 GEMM1 / GEMM2 -10.2 / -10.0%, gpt-oss -5.5 / -5.9%, M = 4096
-//     -3.4..+1.5%; qwen3 M = 1024 GEMM2 +4.6% (K = 768: three k tiles a tile, 56 or 64 wide either way).
+// 12. GMMAs over the tile's tokens (kTokenWidths: the 192-row tiles of 16-128 tokens, the 128-row tile of
+//     16). An expert's last token tile holds fewer than TileN tokens; its GMMAs run m64n(8B)k16 with 8B the
+//     tokens rounded up to 8, one of up to four widths in the tile's upper half (40, 48, 56, 64 for a
+//     64-token tile; 8-32 for a 32-token tile, 8 or 16 for a 16-token one), into a prefix of the same
+//     accumulator registers and over the first rows of the same B descriptor (CuTe's extended shapes);
+//     tiles with 2-4 accumulator chains (6.) keep their chains, each as narrow. The kernel fork passes
+//     the tokens; the width is chosen once per tile, by a copy of the whole mainloop per width. Why: at
+//     the M = 1024 ridge, ncu has the tensor pipe 63-70% busy in the 64-token parts (33-64 tokens per
+//     tile, most below 48), and a probe build measured the GMMAs and the conversion costing more
+//     together than apart (NOTES.md 2026-12-02 (21)): the padded MMA work is paid for. Upstream has one
+//     width per kernel. Chosen per k tile, in branches around the GMMAs, ptxas serialized every GMMA of
+//     the function (C7520, a fence in a divergent path); the 128-row tiles (two consumer warpgroups,
+//     168 registers) got C7520 with four per-tile copies too, so of them only the 16-token tile has it
+//     (two copies, no note). Per GEMM in the layer against the full width (NOTES.md (21) and (22)):
+//     the one-chain tiles, two rounds: dsv3 M = 1024 GEMM1 / GEMM2 -10.2 / -10.0%, gpt-oss -5.5 / -5.9%,
+//     M = 4096 -3.4..+1.5%; qwen3 M = 1024 GEMM2 +4.6% (K = 768: three k tiles a tile, 56 or 64 wide
+//     either way). The chained tiles, three rounds: dsv4-flash M = 256 / 1024 -3.8 / -2.5%, -3.0 / -3.3%,
+//     dsv3 M = 256 -3.4 / -1.0%, qwen3 M = 256 GEMM1 -4.9%; gpt-oss (K = 2880, its 16-token tile's MMAs
+//     hidden behind the conversion: NOTES.md 2026-12-01 (14)) and dsv3 M = 1024 within 1%.
 //
 // Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
 // decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
@@ -162,12 +167,15 @@ CUTLASS_DEVICE void mc_gmma_blocks(FragA const& a, uint64_t desc_b, Accum& acc, 
 }
 
 // The arrive and the GMMAs of one register set's k-blocks (fa: its A words, (4, 1, Count); descs: the
-// stage's B descriptors, from k-block Kb0 on) over the first 8B tokens.
-template <int B, int Kb0, int Count, class FragA, class DescB, class Accum>
-CUTLASS_DEVICE void mc_token_gmmas(FragA const& fa, DescB const& descs, Accum& acc) {
+// stage's B descriptors, from k-block Kb0 on) over the first 8B tokens, k-block kb into chain kb % NumAcc.
+template <int B, int Kb0, int Count, int NumAcc, class FragA, class DescB, class Accum>
+CUTLASS_DEVICE void mc_token_gmmas(FragA const& fa, DescB const& descs, Accum& acc0, Accum& acc1, Accum& acc2,
+                                   Accum& acc3) {
   warpgroup_arrive();
   CUTLASS_PRAGMA_UNROLL
   for (int j = 0; j < Count; ++j) {
+    int const chain = (Kb0 + j) % NumAcc;
+    Accum& acc = chain == 0 ? acc0 : (chain == 1 ? acc1 : (chain == 2 ? acc2 : acc3));
     mc_gmma_blocks<B>(fa(_, 0, j), uint64_t(descs(Kb0 + j)), acc, std::make_integer_sequence<int, 4 * B>{});
   }
 }
@@ -208,18 +216,20 @@ struct Mxfp4MoeMainloop {
   static constexpr int Groups = TileK / 32;           // MX scale groups per k tile
   // accumulator chains per warpgroup (registers allow it for small N)
   static constexpr int NumAcc = TileN <= 16 ? 4 : (TileN <= 32 ? 2 : 1);
-  // GMMAs over the tile's tokens rounded up to 8, not TileN (item 12): the one-chain tiles.
+  // GMMAs over the tile's tokens rounded up to 8, not TileN (item 12). The widths built, in 8-token
+  // blocks: TileN / 8 - kTokenWidths + 1 .. TileN / 8. Each is a copy of the mainloop (the width is
+  // chosen once per tile: chosen per k tile, in branches around the GMMAs, ptxas fenced them in a
+  // divergent path and serialized them, C7520). A part's tiles hold more than half of TileN tokens
+  // unless a smaller part was left out of the plan (_gemm.split_plan): four widths cover the part's
+  // upper half (33..64 tokens of a 64-token tile in 40, 48, 56, 64) and every width of the 32-token
+  // tile, the smallest part. The 128-row tiles (two consumer warpgroups) got C7520 with four copies;
+  // their 16-token tile (the one launch at 4-12 rows per expert) takes two.
 #ifdef MC_PROBE_NO_MMA
-  static constexpr bool kTokenGmmas = false;   // the probe's sink lives in the TileN-wide loops
+  static constexpr int kTokenWidths = 1;   // the probe's sink lives in the TileN-wide loops
 #else
-  static constexpr bool kTokenGmmas = NumAcc == 1 && TileM == 192;
+  static constexpr int kTokenWidths = TileM == 192 ? cute::min(4, TileN / 8) : (TileN == 16 ? 2 : 1);
 #endif
-  // The widths built, in 8-token blocks: the TileN / 8 - kTokenWidths + 1 .. TileN / 8. Each is a copy of
-  // the mainloop (the width is chosen once per tile: chosen per k tile, in branches around the GMMAs,
-  // ptxas fenced them in a divergent path and serialized them, C7520). A part's tiles hold more than
-  // half of TileN tokens unless a smaller part was left out of the plan (_gemm.split_plan): four
-  // widths cover the part's upper half (33..64 tokens of a 64-token tile in 40, 48, 56, 64).
-  static constexpr int kTokenWidths = kTokenGmmas ? 4 : 1;
+  static constexpr bool kTokenGmmas = kTokenWidths > 1;
   // A register sets hold half a k tile where two whole ones do not fit: three consumer warpgroups
   // (152 registers each) with TileK 256 (64 registers per whole set) or 96/128 tokens (48/64
   // accumulator registers).
@@ -642,8 +652,8 @@ struct Mxfp4MoeMainloop {
       if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
       if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
       if constexpr (kTokenGmmas) {
-        mc_token_gmmas<decltype(blocks)::value, decltype(half)::value * KSet, KSet>(
-            recast<uint32_t>(frag), tCrB(_0{}, _0{}, _, stage), accum);
+        mc_token_gmmas<decltype(blocks)::value, decltype(half)::value * KSet, KSet, NumAcc>(
+            recast<uint32_t>(frag), tCrB(_0{}, _0{}, _, stage), accum, acc1, acc2, acc3);
       } else {
       warpgroup_arrive();
       CUTLASS_PRAGMA_UNROLL
@@ -696,8 +706,8 @@ struct Mxfp4MoeMainloop {
           // ptxas for 128x16x256 and 128x32x256; written out, every whole-set tile's SASS is the one
           // measured before half sets existed
           if constexpr (kTokenGmmas) {
-            mc_token_gmmas<decltype(blocks)::value, 0, KBlocks>(recast<uint32_t>(frag_now),
-                                                                tCrB(_0{}, _0{}, _, stage), accum);
+            mc_token_gmmas<decltype(blocks)::value, 0, KBlocks, NumAcc>(
+                recast<uint32_t>(frag_now), tCrB(_0{}, _0{}, _, stage), accum, acc1, acc2, acc3);
           } else {
           warpgroup_arrive();
           CUTLASS_PRAGMA_UNROLL
@@ -784,6 +794,12 @@ struct Mxfp4MoeMainloop {
       } else if (token_blocks == kFull - 2) {
         run(cute::false_type{}, Int<kFull - 2>{});
       } else if (token_blocks == kFull - 1) {
+        run(cute::false_type{}, Int<kFull - 1>{});
+      } else {
+        run(cute::false_type{}, Int<kFull>{});
+      }
+    } else if constexpr (kTokenWidths == 2) {
+      if (token_blocks <= kFull - 1) {
         run(cute::false_type{}, Int<kFull - 1>{});
       } else {
         run(cute::false_type{}, Int<kFull>{});
