@@ -147,9 +147,17 @@ TALL_STREAM_MIN_ROWS = 1.5
 # 10.): GEMM1 device time against 128 rows, each twice in one session (benchmarks/results/raw/
 # profile_20261201T1538*Z_prefill_*rows.json), M = 2048 / 4096 / 16384: qwen3 -5.8 / -3.7 / -7.5%
 # (M = 1024, its 96-token part: -5.2%), gpt-oss -2.4 / -5.2 / -7.9%, dsv4-flash +0.7 / -5.2 / -0.5%,
-# dsv3 -2.5 / -2.6 / -1.8%. GEMM2's moved -2.2..+3.0% (dsv4-flash M = 16384 +3.0%) and stay on 128 rows.
+# dsv3 -2.5 / -2.6 / -1.8%. GEMM2's moved -2.2..+3.0% (dsv4-flash M = 16384 +3.0%) then, with full-width GMMAs (below).
 TALL_TILES_GEMM1 = {**TALL_TILES, "m128n96k128_coop": "m192n96k128_coop", "m128n128k128_coop": "m192n128k128_coop",
                     "m128n128k128_coop_c2": "m192n128k128_coop_c2"}
+# Since their GMMAs run only as wide as the tile's tokens (moe_gemm_mainloop.hpp item 12, 192-row tiles only), GEMM2's
+# 96/128-token parts take 192 rows too where its K (the intermediate size) is at least TALL_GEMM2_MIN_K: GEMM2 device
+# time against 128 rows, two sessions, two libraries (benchmarks/results/raw/profile_20261202T0244*Z_gemm2_96_128_parts_
+# 192rows_*.json and profile_20261202T0313*Z_gemm2_96_128_parts_192rows_*.json), M = 2048 / 4096 / 16384: dsv3 -9.4 / -1.2 /
+# -1.1% and -3.9 / +0.4 / -2.1%, gpt-oss -0.8 / -0.3 / -2.1% and -0.7 / -0.8 / -2.2%, dsv4-flash +0.7 / -1.5 / +0.5% and
+# +1.0 / -6.7 / +0.4%; qwen3 (K = 768, six k tiles per tile, the staggered 128-row tile of moe_gemm_kernel.hpp item 6
+# against it) +4.7 / +5.0% and +5.2 / +5.7% at M = 4096 / 16384.
+TALL_GEMM2_MIN_K = 2048
 # The split plan's 32/64-token parts on 192 rows keep TileK 256 (half-tile register sets) where the GEMM's K is
 # a multiple of 256: against TileK 128, per-GEMM device time twice each in one session (benchmarks/results/raw/
 # profile_20261201T160[23]*Z_ridge_192rows_k*.json), GEMM1 / GEMM2: dsv3 M = 1024 -2.0 / -2.0%, dsv4-flash
@@ -182,11 +190,13 @@ def clustered(config: str, available=None) -> str:
 
 def tall(config: str, on: bool, available=None, K=None) -> str:
     """config, or when `on` its 192-row version that the library holds: TALL_TILES_K256's where K (the
-    GEMM's reduction length, if known) is a multiple of 256, else TALL_TILES's (GEMM1: TALL_TILES_GEMM1's)."""
+    GEMM's reduction length, if known) is a multiple of 256, else TALL_TILES's (GEMM1, and GEMM2 where K is
+    known and at least TALL_GEMM2_MIN_K: TALL_TILES_GEMM1's)."""
     if not on:
         return config
+    wide = config.startswith("moe_gemm1_") or (K is not None and K >= TALL_GEMM2_MIN_K)
     tables = ((TALL_TILES_K256,) if K is not None and K % 256 == 0 else ()) + (
-        TALL_TILES_GEMM1 if config.startswith("moe_gemm1_") else TALL_TILES,)
+        TALL_TILES_GEMM1 if wide else TALL_TILES,)
     for table in tables:
         other = _mapped(config, table, available)
         if other != config:
@@ -201,7 +211,8 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
     SPLIT_MIN_ROWS rows per expert (streaming tiles; the 8-token one on 192 rows from
     TALL_STREAM_MIN_ROWS rows per expert) and for batch_invariant (whose bits must not depend on
     which part a row lands in), split_plan's parts above, their tiles of up to 64 tokens on 192
-    rows (TALL_TILES), GEMM1's larger ones too (TALL_TILES_GEMM1). tall_tiles = (GEMM1, GEMM2)
+    rows (TALL_TILES), GEMM1's larger ones too (TALL_TILES_GEMM1), and GEMM2's where ks gives its K
+    as at least TALL_GEMM2_MIN_K. tall_tiles = (GEMM1, GEMM2)
     overrides which GEMM's tiles run on 192 rows (for A/B; not with batch_invariant); split_tiles
     overrides SPLIT_TILES (for A/B; its tiles run as named, no cluster added). ks = (GEMM1's K, GEMM2's K),
     i.e. (hidden, intermediate) size, where known: 192-row tiles with TileK 256 where K allows

@@ -156,8 +156,15 @@ def test_ridge_parts_keep_tilek_256_on_192_rows_where_k_allows():
     assert tiles((7168, 2048), no_k256) == tiles(None)
     assert tiles((7168, 2048), [f"moe_gemm1_{t}" for t in _gemm.SPLIT_TILES]) == [
         ("m128n64k256_coop",) * 2, ("m128n32k256_coop",) * 2]
-    # the 96/128-token parts and the streaming tiles do not depend on K
+    # GEMM2's 96/128-token parts run on 192 rows where its K is long (TALL_GEMM2_MIN_K), not at qwen3's 768;
+    # the streaming tiles do not depend on K
     assert _gemm.plan(4096 * 4, 128, ks=(2048, 768)).parts[:2] == _gemm.plan(4096 * 4, 128).parts[:2]
+    assert [(c1[len("moe_gemm1_"):], c2[len("moe_gemm2_"):]) for c1, c2, _, _ in
+            _gemm.plan(4096 * 4, 128, ks=(2880, 2880)).parts[:2]] == [("m192n128k128_coop",) * 2, ("m192n96k128_coop",) * 2]
+    assert _gemm.plan(16384 * 8, 256, ks=(7168, 2048)).parts[0][:2] == ("moe_gemm1_m192n128k128_coop_c2",
+                                                                        "moe_gemm2_m192n128k128_coop_c2")
+    assert _gemm.plan(16384 * 8, 128, ks=(2048, 768)).parts[0][:2] == ("moe_gemm1_m192n128k128_coop_c2",
+                                                                       "moe_gemm2_m128n128k128_coop_c2")
     assert _gemm.plan(64 * 4, 128, ks=(2048, 768)) == _gemm.plan(64 * 4, 128) == _gemm.single("moe_gemm1_m192n8k256_coop")
 
 
