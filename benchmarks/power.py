@@ -1,6 +1,6 @@
 """What the layer draws under sustained load: SM clock, board power and the throttle reasons.
 
-usage: python -m benchmarks.power [--configs a,b] [--ms 64,256,1024] [--seconds 2.5] [--out-dir DIR]
+usage: python -m benchmarks.power [--configs a,b] [--ms 64,256,1024] [--seconds 2.5] [--cool-ms 20] [--out-dir DIR]
 
 An engine runs one layer after another for as long as it serves. This replays each shape's layer
 (fused_moe as a CUDA graph, back to back, no L2 flush between calls) for --seconds while
@@ -12,6 +12,10 @@ median clock (MHz) and power (W), the throttle-reason masks seen (0x4: software 
 the layer its floor (bench_moe's, measured in the same run) and the sustained time over it.
 A layer drawing the board's power limit runs at the clock the limit leaves it, whatever its
 instructions' latencies: then its energy per call, not its critical path, sets its time.
+Beside the sustained time each layer row holds the same graph replayed after --cool-ms of idle
+before every call ("cool_us", the median of 30; 0 leaves it out) and the sum of its kernels' device
+times in eager calls ("kernel_sum_us", profile_stages' way): sustained against cool is what the
+power limit costs the layer, cool against the kernel sum what launching costs it.
 """
 import argparse
 import statistics
@@ -22,7 +26,9 @@ import torch
 
 import moe_cutlass as mc
 from benchmarks.bench_moe import CONFIGS, Timer, floor_us, graph_of, measure_floors, random_batch, random_experts
+from benchmarks.profile_stages import kernel_times
 from benchmarks.record import record_main
+from moe_cutlass import ops
 
 QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 SAMPLE_MS = 50
@@ -67,6 +73,30 @@ def sustained(fn, seconds: float) -> dict:
     return {"us": start.elapsed_time(end) * 1e3 / calls, "calls": calls, **parse_samples(out)}
 
 
+def cooled(fn, idle_ms: float, reps: int = 30) -> float:
+    """The median device microseconds of fn over reps calls, each after idle_ms of an idle GPU."""
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        time.sleep(idle_ms / 1e3)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def eager_kernel_sum(fn, reps: int = 20) -> float:
+    """The summed device microseconds of fn's kernels per call, launched in plain stream order."""
+    pdl, ops.PROGRAMMATIC_LAUNCH = ops.PROGRAMMATIC_LAUNCH, False
+    try:
+        return sum(kernel_times(fn, reps).values())
+    finally:
+        ops.PROGRAMMATIC_LAUNCH = pdl
+
+
 def run(args):
     seconds, rows = args.seconds, []
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -89,13 +119,18 @@ def run(args):
             graph = graph_of(lambda: mc.fused_moe(x, experts, weights, ids, out=out))
             s = sustained(graph.replay, seconds)
             floor = floor_us(M, E, H, I, k, ids, floors)
-            rows.append({"impl": "moe_cutlass", "config": name, "M": M, **s, "floor_us": floor,
-                         "x_floor": s["us"] / floor})
-            print(f"{name:14s} M={M:6d} {s['us']:9.1f} us  x{s['us'] / floor:5.2f}  {s['sm_clock_mhz']:6.0f} MHz "
-                  f"{s['power_w']:6.1f} W  {' '.join(s['throttle'])}", flush=True)
+            row = {"impl": "moe_cutlass", "config": name, "M": M, **s, "floor_us": floor, "x_floor": s["us"] / floor,
+                   "kernel_sum_us": eager_kernel_sum(lambda: mc.fused_moe(x, experts, weights, ids, out=out))}
+            if args.cool_ms:
+                row["cool_us"] = cooled(graph.replay, args.cool_ms)
+            rows.append(row)
+            cool = f"  cool x{row['cool_us'] / floor:5.2f}" if args.cool_ms else ""
+            print(f"{name:14s} M={M:6d} {s['us']:9.1f} us  x{s['us'] / floor:5.2f}{cool}  kernels "
+                  f"x{row['kernel_sum_us'] / floor:5.2f}  {s['sm_clock_mhz']:6.0f} MHz {s['power_w']:6.1f} W  "
+                  f"{' '.join(s['throttle'])}", flush=True)
         del experts
         torch.cuda.empty_cache()
-    return {"floors": floors, "seconds": seconds, "rows": rows}, 0
+    return {"floors": floors, "seconds": seconds, "cool_ms": args.cool_ms, "rows": rows}, 0
 
 
 def parse_args(argv=None):
@@ -103,6 +138,7 @@ def parse_args(argv=None):
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--ms", default="64,256,1024,4096,16384")
     parser.add_argument("--seconds", type=float, default=2.5)
+    parser.add_argument("--cool-ms", type=float, default=20.0, help="idle before each cool replay (0: none)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
@@ -110,6 +146,8 @@ def parse_args(argv=None):
         parser.error(f"--configs: unknown {unknown}; known: {list(CONFIGS)}")
     if args.seconds <= 0:
         parser.error("--seconds must be positive")
+    if args.cool_ms < 0:
+        parser.error("--cool-ms must not be negative")
     return args
 
 

@@ -23,7 +23,8 @@ def test_no_samples_is_an_error(text):
         power.parse_samples(text)
 
 
-@pytest.mark.parametrize("argv,match", [(["--configs", "nope"], "--configs"), (["--seconds", "0"], "--seconds")])
+@pytest.mark.parametrize("argv,match", [(["--configs", "nope"], "--configs"), (["--seconds", "0"], "--seconds"),
+                                        (["--cool-ms", "-1"], "--cool-ms")])
 def test_bad_arguments_are_refused(argv, match, capsys):
     with pytest.raises(SystemExit):
         power.parse_args(argv)
@@ -37,3 +38,13 @@ def test_sustained_window_times_the_calls_and_samples_the_board():
     assert s["calls"] >= 10 and s["us"] > 0
     assert 100 < s["sm_clock_mhz"] < 3000 and 20 < s["power_w"] < 2000
     assert s["throttle"] and all(t.startswith("0x") for t in s["throttle"])
+
+
+@pytest.mark.gpu
+def test_cooled_and_kernel_sum_time_the_call():
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    one = power.cooled(lambda: torch.mm(a, a, out=b), 2.0, reps=5)
+    two = power.cooled(lambda: (torch.mm(a, a, out=b), torch.mm(a, a, out=b)), 2.0, reps=5)
+    assert 0 < one < two
+    assert 0.5 * one < power.eager_kernel_sum(lambda: torch.mm(a, a, out=b), reps=5) < 2 * two
