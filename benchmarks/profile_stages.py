@@ -1,6 +1,7 @@
 """Where one layer's time goes: device time of every kernel of a fused_moe call (torch.profiler).
 
-usage: python -m benchmarks.profile_stages [--configs a,b] [--ms 1,64,4096] [--reps 20] [--tall XY | --tile T] [--out-dir DIR]
+usage: python -m benchmarks.profile_stages [--configs a,b] [--ms 1,64,4096] [--reps 20]
+                                           [--tall XY | --tile T | --tall-gemm2-min-k K] [--out-dir DIR]
 Writes a "profile" record: per config and M, the mean device microseconds of each kernel (the GEMMs
 named GEMM1 / GEMM2, the launches of a split plan summed, the one-launch layer of small batches LAYER), and each GEMM's achieved bandwidth: the MXFP4 bytes of the active experts'
 weights (4.25 bits per weight) over its time ("gemm_tbps"), the number to hold against the copy rate,
@@ -10,7 +11,8 @@ work not counted) beside the dense BF16 matmul rate measured in the same run ("b
 (_gemm.plan's tall_tiles; the record keeps "tall"): per-GEMM device times of the two kernels, free
 of the layer benchmark's run-to-run spread. --tile T runs every call on one tile instead of the
 plan (an ab_tiles candidate: n8k256, or a whole config suffix such as m192n16k128_coop; the record
-keeps "tile"), for the same per-GEMM A/B of two tiles. The layer's kernels launch in plain stream
+keeps "tile"), for the same per-GEMM A/B of two tiles. --tall-gemm2-min-k K runs GEMM2's 96/128-token parts on
+192 rows from that K on instead of _gemm.TALL_GEMM2_MIN_K (a K above every shape's keeps them on 128 rows). The layer's kernels launch in plain stream
 order here (ops.PROGRAMMATIC_LAUNCH off): launched dependent, a kernel's device time would include its
 wait on the kernel before.
 """
@@ -85,13 +87,16 @@ def profile_config(name, tokens, reps, gen):
     return rows
 
 
-def plan_override(tall=None, tile=None):
+def plan_override(tall=None, tile=None, gemm2_min_k=None):
     """What replaces _gemm.plan for --tall XY (the rule with its tiles of up to 64 tokens on 192 rows
     where X / Y is 1) or --tile T (one tile for every call, or a "split-128+96+64+32+16" candidate: the
     rule with split_plan combining those token tiles, or an "exact-m192n128k128+..." one: the split
-    plan of exactly those tiles), or None for the rule itself."""
-    if tall is not None and tile is not None:
-        raise ValueError("--tall and --tile exclude each other")
+    plan of exactly those tiles), or --tall-gemm2-min-k K (the rule with GEMM2's 96/128-token parts on
+    192 rows from that K on: _gemm.TALL_GEMM2_MIN_K's A/B), or None for the rule itself."""
+    if sum(v is not None for v in (tall, tile, gemm2_min_k)) > 1:
+        raise ValueError("--tall, --tile and --tall-gemm2-min-k exclude each other")
+    if gemm2_min_k is not None:
+        return functools.partial(_gemm.plan, tall_gemm2_min_k=gemm2_min_k)
     if tall is not None:
         if len(tall) != 2 or set(tall) - {"0", "1"}:
             raise ValueError(f"--tall takes two digits 0/1, got {tall!r}")
@@ -113,10 +118,12 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tall", default=None, help="XY: 192-row tiles for GEMM1 (X=1) / GEMM2 (Y=1)")
     parser.add_argument("--tile", default=None, help="one tile for every call (an ab_tiles candidate)")
+    parser.add_argument("--tall-gemm2-min-k", type=int, default=None,
+                        help="GEMM2's K from which its 96/128-token parts run on 192 rows (rule: _gemm.TALL_GEMM2_MIN_K)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
     try:
-        override = plan_override(args.tall, args.tile)
+        override = plan_override(args.tall, args.tile, args.tall_gemm2_min_k)
     except ValueError as ex:
         parser.error(str(ex))
     if override is not None:
@@ -133,7 +140,8 @@ def main():
         rows += profile_config(name, [int(m) for m in args.ms.split(",")], args.reps, gen)
         torch.cuda.empty_cache()  # the next shape's weights get this one's memory
     write_record("profile", {"rows": rows, "bf16_tflops": floors["bf16_flops_per_s"] / 1e12,
-                             "copy_tbps": floors["hbm_bytes_per_s"] / 1e12, "tall": args.tall, "tile": args.tile},
+                             "copy_tbps": floors["hbm_bytes_per_s"] / 1e12, "tall": args.tall, "tile": args.tile,
+                             "tall_gemm2_min_k": args.tall_gemm2_min_k},
                  args.out_dir)
 
 

@@ -188,13 +188,14 @@ def clustered(config: str, available=None) -> str:
     return _mapped(config, CLUSTER_TILES, available)
 
 
-def tall(config: str, on: bool, available=None, K=None) -> str:
+def tall(config: str, on: bool, available=None, K=None, gemm2_min_k=None) -> str:
     """config, or when `on` its 192-row version that the library holds: TALL_TILES_K256's where K (the
     GEMM's reduction length, if known) is a multiple of 256, else TALL_TILES's (GEMM1, and GEMM2 where K is
-    known and at least TALL_GEMM2_MIN_K: TALL_TILES_GEMM1's)."""
+    known and at least gemm2_min_k, default TALL_GEMM2_MIN_K: TALL_TILES_GEMM1's)."""
     if not on:
         return config
-    wide = config.startswith("moe_gemm1_") or (K is not None and K >= TALL_GEMM2_MIN_K)
+    gemm2_min_k = TALL_GEMM2_MIN_K if gemm2_min_k is None else gemm2_min_k
+    wide = config.startswith("moe_gemm1_") or (K is not None and K >= gemm2_min_k)
     tables = ((TALL_TILES_K256,) if K is not None and K % 256 == 0 else ()) + (
         TALL_TILES_GEMM1 if wide else TALL_TILES,)
     for table in tables:
@@ -205,7 +206,7 @@ def tall(config: str, on: bool, available=None, K=None) -> str:
 
 
 def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tall_tiles=None,
-         split_tiles=None, ks=None) -> Plan:
+         split_tiles=None, ks=None, tall_gemm2_min_k=None) -> Plan:
     """The GEMM launches of a call with `rows` (M * top_k) rows (available: the GEMM1 configs the
     library holds, as for pick_config; GEMM2's follow them): pick_config's one tile up to
     SPLIT_MIN_ROWS rows per expert (streaming tiles; the 8-token one on 192 rows from
@@ -216,7 +217,8 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
     overrides which GEMM's tiles run on 192 rows (for A/B; not with batch_invariant); split_tiles
     overrides SPLIT_TILES (for A/B; its tiles run as named, no cluster added). ks = (GEMM1's K, GEMM2's K),
     i.e. (hidden, intermediate) size, where known: 192-row tiles with TileK 256 where K allows
-    (TALL_TILES_K256). From CLUSTER_MIN_ROWS rows per expert the 128-token part runs in clusters of two."""
+    (TALL_TILES_K256). From CLUSTER_MIN_ROWS rows per expert the 128-token part runs in clusters of two.
+    tall_gemm2_min_k overrides TALL_GEMM2_MIN_K (for A/B)."""
     per_expert = rows / max(1, num_experts)
     if batch_invariant or per_expert <= SPLIT_MIN_ROWS:
         config = pick_config(1, rows, num_experts, available, batch_invariant)
@@ -230,7 +232,8 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
         return p
     t1, t2 = rule if tall_tiles is None else tall_tiles
     k1, k2 = (None, None) if ks is None else ks
-    parts = tuple((tall(c1, t1, available, k1), tall(c2, t2, available, k2), lo, hi) for c1, c2, lo, hi in p.parts)
+    parts = tuple((tall(c1, t1, available, k1), tall(c2, t2, available, k2, tall_gemm2_min_k), lo, hi)
+                  for c1, c2, lo, hi in p.parts)
     if split_tiles is None and per_expert >= CLUSTER_MIN_ROWS:
         parts = tuple((clustered(c1, available), clustered(c2, available), lo, hi) for c1, c2, lo, hi in parts)
     return Plan(p.chunk, parts)
