@@ -1,7 +1,5 @@
 """The SM90 MXFP4 x BF16 grouped GEMMs (templates/sm90/moe_gemm*), against float32 torch."""
 
-import re
-
 import pytest
 import torch
 
@@ -241,8 +239,8 @@ def test_grouped_gemm1(H, I, gate_up, config):
 
 def _token_widths(config: str) -> int:
     """How many GMMA widths the config's mainloop holds (moe_gemm_mainloop.hpp, kTokenWidths)."""
-    m, n = (int(v) for v in re.search(r"_m(\d+)n(\d+)k", config).groups())
-    return min(4, n // 8) if m == 192 else (2 if n == 16 else 1)
+    n = _gemm().tile_n(config)
+    return min(4, n // 8) if "_m192n" in config else (2 if n == 16 else 1)
 
 
 def _token_width_configs():
@@ -255,7 +253,7 @@ def test_every_token_width(config):
     """moe_gemm_mainloop.hpp item 12: an expert's last token tile runs its GMMAs over its tokens rounded up
     to 8 (the widths in the tile's upper half, the narrowest below). Experts whose last tile holds 1, half
     the tile -+ 1, each width's first and last count, and a full tile plus a tail, each against the reference."""
-    tile_n = int(re.search(r"_m\d+n(\d+)k", config).group(1))
+    tile_n = _gemm().tile_n(config)
     half, full = tile_n // 2, tile_n // 8
     counts = sorted({1, half - 1, half + 1, tile_n + half + 3}
                     | {c for w in range(full - _token_widths(config) + 1, full + 1) for c in (8 * w - 7, 8 * w)})
