@@ -34,7 +34,7 @@ MAX_E, MAX_K, MAX_HI, MAX_M = 512, 16, 8192, 20000
 WEIGHT_MIB = 32  # default cap on one configuration's MXFP4 weights
 ROW_MELEMS = 4  # default cap on M * k * max(H, I), in millions: the routed rows
 REF_ROWS = 256  # tokens compared with the reference (it loops over experts in Python)
-ROUTING_SMALL_SLOTS = 2048  # routing.cuh kSmallSlots: M * k past this takes the multi-kernel path
+ROUTING_SMALL_SLOTS = 16384  # routing.cuh kSmallSlots: M * k past this takes the multi-kernel path
 BOUNDARY_M = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PER_EXPERT_BOUNDARIES = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # rows per expert where _gemm.plan switches
 

@@ -3,7 +3,7 @@
 usage: python -m benchmarks.sanitize [--tools memcheck,racecheck,synccheck,initcheck] [--out-dir DIR]
        python -m benchmarks.sanitize --workload      (what each tool runs; needs an SM90 GPU)
 
-The workload is small: fused_moe through both expand paths (<= 2048 slots, and the multi-kernel
+The workload is small: fused_moe through both expand paths (<= 16384 slots, and the multi-kernel
 one past it), int32 and int64 ids with invalid ones and an expert map, H = I = 96 (not tile
 multiples); then one GEMM1 and one GEMM2 launch per tile config the library holds. The tools run
 side by side, one process each, with the caching allocator off so that every tensor is its own
@@ -60,7 +60,7 @@ def workload():
     mc.fused_moe(random_hidden(M, H, gen), experts, weights, ids, activation="swiglu_oai", swiglu_limit=7.0,
                  out=out)
 
-    M = 700  # 2100 slots: count, prefix, scatter and gather kernels
+    M = 5500  # 16500 slots: count, scatter and gather kernels
     expert_map = torch.tensor([3, -1, 0, 5, 1, -1, 2, 4], dtype=torch.int32, device="cuda")
     weights, ids = random_routing(M, expert_map.numel(), k, gen)
     ids[::5, 2] = -7

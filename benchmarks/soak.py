@@ -49,7 +49,7 @@ from tests.helpers import MAX_RELERR, StandInExperts, random_experts, random_hid
 MODES = ("eager", "eager_out", "eager_workspace", "eager_side_stream", "graph", "graph_workspace")
 GRAPH_MODES = tuple(m for m, name in enumerate(MODES) if name.startswith("graph"))
 EAGER_MODES = tuple(m for m in range(len(MODES)) if m not in GRAPH_MODES)
-BASE_TOKENS = (1, 2, 3, 7, 16, 64, 200, 1000, 2048)  # decode, odd and prefill sizes; 2048 is the largest M
+BASE_TOKENS = (1, 2, 3, 7, 16, 64, 200, 1000, 2048, 4200)  # decode, odd and prefill sizes; 4200 is the largest M
 WARMUP_WINDOWS = 1
 TIME_WINDOWS = 5
 MAX_TIME_GROWTH = 1.2
@@ -76,7 +76,7 @@ LAYERS = {
 
 def token_pool(E, top_k, largest=BASE_TOKENS[-1]):
     """Mixed M up to `largest`: BASE_TOKENS, and both sides of every M where the GEMM launches change
-    (_gemm.plan, by rows per expert) or expand leaves its one-kernel path (M * k > 2048)."""
+    (_gemm.plan, by rows per expert) or expand leaves its one-kernel path (M * k > ROUTING_SMALL_SLOTS)."""
     tiles = [_gemm.plan(M * top_k, E) for M in range(largest + 1)]
     edges = {M for M in range(1, largest + 1) if tiles[M] != tiles[M - 1]} | {ROUTING_SMALL_SLOTS // top_k + 1}
     return sorted({*BASE_TOKENS, *edges, *(M - 1 for M in edges)})

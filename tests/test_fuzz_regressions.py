@@ -2,7 +2,7 @@
 
 REGRESSIONS holds the reproducers a failing fuzz run prints (paste them in as they come), and
 hand-picked edges: one expert, every id invalid, no tokens, the routing kernels' path switch at
-2048 slots, 512 experts with k = 16, gpt-oss's odd H = I = 2880, duplicate ids.
+16384 slots (and its earlier one at 2048), 512 experts with k = 16, gpt-oss's odd H = I = 2880, duplicate ids.
 """
 import pytest
 
@@ -20,6 +20,7 @@ REGRESSIONS = [
          swiglu_limit=7.0),
     Case(seed=7, E=3, k=3, H=32, I=64, M=100, duplicate_ids=True, signed_weights=True, side_stream=True),
     Case(seed=8, E=16, k=6, H=256, I=128, M=300, hidden_scale=16.0, routed_scaling_factor=2.5, out=True),
+    Case(seed=9, E=8, k=4, H=96, I=160, M=4097, id_dtype="int64", dead_rows=0.1, expert_map=12),
 ]
 
 

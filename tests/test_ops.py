@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import moe_cutlass as mc
 from moe_cutlass import _gemm, _lib, layout, ops
 from moe_cutlass._checks import MAX_SLOTS
+from benchmarks.fuzz import ROUTING_SMALL_SLOTS
 from test_fused_moe import assert_close, random_experts, random_hidden, random_routing
 
 E, H, I, K = 8, 64, 32, 2
@@ -373,20 +374,20 @@ def direct(x, experts, weights, ids, **options):
 @pytest.mark.parametrize("variant", ["plain", "gpt_oss", "expert_map"])
 def test_replayed_calls_take_each_calls_arguments(variant, monkeypatch):
     """One block, calls queued back to back without a sync, each with its own tokens, output and size
-    (both expand paths: 4 * 600 slots is past the one-kernel path): every output is its own call's,
+    (both expand paths: 4 * 4200 slots is past the one-kernel path): every output is its own call's,
     so a node update cannot have reached a replay already in flight."""
     _, experts, _, _, options = gpu_case(8, variant)
-    workspace = mc.allocate_workspace(600, 4, experts)
+    workspace = mc.allocate_workspace(4200, 4, experts)
     monkeypatch.setattr(ops, "_calls", {})  # no block of an earlier test at reused addresses
     monkeypatch.setattr(ops, "FUSED_MAX_TOKENS", 0)  # the four launches, whose graph this is about
     calls = []
-    for seed, M in enumerate((5, 5, 1, 37, 5, 600, 600, 2, 5), 20):
+    for seed, M in enumerate((5, 5, 1, 37, 5, 4200, 4200, 2, 5), 20):
         x, _, weights, ids, _ = gpu_case(M, variant, seed=seed)
         out = torch.full((M, experts.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
         mc.fused_moe(x, experts, weights, ids, out=out, workspace=workspace, **options)
         calls.append((out, x, weights, ids))
     torch.cuda.synchronize()
-    assert graph_count(experts, workspace) == 2  # the one-kernel and the four-kernel expand, each replayed
+    assert graph_count(experts, workspace) == 2  # the one-kernel and the three-kernel expand, each replayed
     for out, x, weights, ids in calls:
         assert torch.equal(out, direct(x, experts, weights, ids, **options))
     out, x, weights, ids = calls[-1]
@@ -413,7 +414,7 @@ def programmatic_edges(graph) -> list:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [5, 600])
+@pytest.mark.parametrize("M", [5, 4200])
 def test_gemms_and_finalize_are_programmatic_dependent_launches(M, monkeypatch):
     """Captured into a caller's graph, the layer is one chain in which every kernel after the first
     (expand's later kernels, every GEMM launch, the finalize) is a programmatic dependent launch on
@@ -430,7 +431,7 @@ def test_gemms_and_finalize_are_programmatic_dependent_launches(M, monkeypatch):
     with torch.cuda.graph(graph):
         mc.fused_moe(x, experts, weights, ids, out=out, workspace=workspace, **options)
     kinds = programmatic_edges(graph)
-    expand_kernels = 1 if M * ids.shape[1] <= 2048 else 4
+    expand_kernels = 1 if M * ids.shape[1] <= ROUTING_SMALL_SLOTS else 3
     assert kinds == [True] * len(kinds)
     assert len(kinds) >= expand_kernels + 2  # GEMM1, GEMM2 (one launch each at least), finalize
     graph.instantiate()

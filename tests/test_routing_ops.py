@@ -5,10 +5,13 @@ GPU tests are marked `gpu` (tests/conftest.py skips them without an SM90 GPU and
 built library). Validation tests run anywhere: they use CPU or fake CUDA tensors.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from benchmarks.fuzz import ROUTING_SMALL_SLOTS
 from moe_cutlass import reference
 from moe_cutlass._ops_routing import expand, expand_workspace_numel, finalize
 
@@ -97,8 +100,9 @@ def random_inputs(M, k, E, H=H_DEFAULT, seed=0, id_low=0, id_high=None, id_dtype
     return hidden, ids, weights
 
 
-# M * k covers the one-launch path (<= 2048 slots) and the tiled path, with both sides of
-# each boundary (2048 slots, 1024-slot tiles, the scatter kernel's 256-slot parts) below.
+# M * k covers the one-launch path (<= 16384 slots) and the tiled path, with both sides of
+# each boundary (16384 slots, a one-launch block's part past one warp round of 32 slots, 1024-slot
+# tiles, the scatter kernel's 256-slot parts) below.
 @pytest.mark.gpu
 @pytest.mark.parametrize("E", [8, 128, 384])
 @pytest.mark.parametrize("k", [1, 4, 8])
@@ -109,15 +113,15 @@ def test_expand_matches_torch(M, k, E):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,k", [(2048, 1), (2049, 1), (512, 4), (513, 4), (4096, 1), (4097, 1), (1025, 4),
-                                 (3073, 1), (3328, 1), (3329, 1)])
+@pytest.mark.parametrize("M,k", [(16384, 1), (16385, 1), (4096, 4), (4097, 4), (1025, 1), (8192, 1), (8193, 1),
+                                 (17408, 1), (17409, 1), (4353, 4), (17664, 1), (17665, 1)])
 def test_expand_path_boundaries(M, k):
     hidden, ids, weights = random_inputs(M, k, 64, seed=M + k)
     assert_expand_exact(run_expand(hidden, ids, weights, 64), reference_expand(hidden, ids, weights, 64))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,k", [(100, 8), (5000, 4)])
+@pytest.mark.parametrize("M,k", [(100, 8), (4096, 4), (5000, 4)])
 def test_expand_all_tokens_on_one_expert(M, k):
     hidden, _, weights = random_inputs(M, k, 128)
     ids = torch.full((M, k), 77, dtype=torch.int32, device="cuda")
@@ -228,7 +232,7 @@ def test_finalize_is_deterministic():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [64, 1000])  # one-launch path and tiled path
+@pytest.mark.parametrize("M", [64, 2100])  # one-launch path and tiled path
 def test_cuda_graph_replay_with_new_inputs(M):
     k, E, H, rsf = 8, 128, 256, 1.5
     got = poisoned_buffers(M, k, E, H)
@@ -335,3 +339,10 @@ def test_finalize_names_the_bad_argument(name, bad, error):
         args[name] = bad()
         with pytest.raises(error, match=name):
             finalize(**args)
+
+
+def test_the_tests_know_the_one_launch_limit():
+    """benchmarks.fuzz's ROUTING_SMALL_SLOTS (the fuzzer's, the soak's and these tests' path switch) is the
+    kernel's."""
+    source = (Path(__file__).parents[1] / "templates" / "sm90" / "routing.cuh").read_text()
+    assert f"constexpr int kSmallSlots = {ROUTING_SMALL_SLOTS};" in source

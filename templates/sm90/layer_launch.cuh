@@ -14,7 +14,7 @@
 // When not: the first call of a variant launches directly (a one-off call does not pay for a
 // capture), and so does every call on a stream that is itself being captured (a CUDA graph of
 // the caller's, or torch.compile's cudagraphs): there the launches become the caller's nodes.
-// A variant is (the GEMM plan's configs and windows, expand's one-kernel or four-kernel path); a block
+// A variant is (the GEMM plan's configs and windows, expand's one-kernel or three-kernel path); a block
 // keeps up to kVariants of them and replaces the oldest. Errors while capturing make the variant
 // launch directly from then on; the results are the same kernels either way.
 //

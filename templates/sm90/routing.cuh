@@ -4,8 +4,10 @@
 // A slot is one (token t, choice j) pair, slot = t * top_k + j. "Rows" are slots in
 // expert order: row r of expert e lies in [offsets[e], offsets[e + 1]).
 //
-// Determinism: no atomics at all. Every count comes from warp-level matching
-// (same_expert_lanes) and fixed-order sums, so results never depend on timing.
+// Determinism: no floating-point atomics. The tiled path's counts come from warp-level matching
+// (same_expert_lanes) and fixed-order sums; the one-launch path counts with shared-memory integer
+// atomics, whose totals do not depend on their order. Rows are ranked in slot order either way, so
+// results never depend on timing.
 //
 // Meant for exactly one translation unit (the rendered routing.cu): finalize_kernel has
 // external linkage.
@@ -26,19 +28,25 @@ namespace routing {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxExperts = 512;
-// Up to this many slots one launch does everything: every block redoes the (cheap)
-// routing in shared memory and gathers its share of rows. Launch latency dominates here.
-constexpr int kSmallSlots = 2048;
-// Larger inputs are cut into tiles of this many slots (count, prefix, scatter, gather). A block
-// walks its tile serially, per warp, so the tile size sets count's and scatter's time whatever M:
-// 4096-slot tiles 7 and 13 us, 1024-slot tiles 3.5 and 5.8, the prefix 2.5 -> 3.0 us (5.5 at
-// M * top_k = 131072) for the 4x more tiles (benchmarks/results/raw/profile_20261201T0441*_lib*.json,
+// Up to this many slots one launch does everything (expand_small_kernel): every block counts all the
+// slots' experts and ranks, publishes and gathers its own part of them. Against the (then four) tiled
+// kernels, a standalone probe (benchmarks/results/raw/probe_20261202T*Z_expand_small_*.json): 8192 slots 21.1 ->
+// 13.7 us (qwen3 M = 1024), 16384 slots 46.2 -> 44.3 (gpt-oss M = 4096, the gather's bytes dominate); at
+// 32768 slots with 1024 threads 54.7 -> 61.5. 512 threads a block: 256 took 19.2 us at 8192 slots, 1024 16.6.
+constexpr int kSmallSlots = 16384;
+constexpr int kSmallThreads = 512;
+// Larger inputs are cut into tiles of this many slots (count, scatter, gather). When a block walked
+// its tile serially, per warp, the tile size set count's and scatter's time whatever M: 4096-slot
+// tiles 7 and 13 us, 1024-slot tiles 3.5 and 5.8 (benchmarks/results/raw/profile_20261201T0441*_lib*.json,
 // one device session).
 constexpr int kTileSlots = 1024;
-// Tiles whose counts one prefix thread loads at once: one dependent L2 round trip per batch, four
+// Tiles whose counts a scatter thread loads at once: one dependent L2 round trip per batch, four
 // at M * top_k = 131072.
 constexpr int kPrefixBatch = 32;
 constexpr int kMaxSmallBlocks = 256;
+// A one-launch block's part of the slots (at most): ranked by one warp, 32 slots per round.
+constexpr int kMaxSmallPart = (kSmallSlots + kMaxSmallBlocks - 1) / kMaxSmallBlocks;
+static_assert(kMaxSmallPart <= kSmallThreads, "a part's weights load one per thread");
 constexpr int kMaxStreamBlocks = 4096;
 // Rows a block gathers (or a finalize thread sums) per loop trip: independent loads keep
 // bytes in flight.
@@ -66,18 +74,19 @@ struct ExpandArgs {
   __nv_bfloat16* gathered;
   int64_t gathered_stride;
   float* row_weights;
-  int32_t* tile_prefix;  // [num_tiles][num_experts], large path only
+  int32_t* tile_counts;  // [num_tiles][num_experts], large path only
 };
 
-// Slots a thread loads per batch in load_tile, every load of a batch issued before any is used:
-// a small-path input or a count/scatter tile is one batch. Loaded and stored one at a time, each
-// slot cost a dependent memory round trip: count and scatter took 13 and 22 us per call whatever
-// M (profile_20261201T032708Z), expand_small 18 us at 2048 slots.
-constexpr int kSlotBatch = kSmallSlots / kThreads;
+// Slots a thread loads per batch (load_tile, the one-launch count), every load of a batch issued before
+// any is used: a count/scatter tile is one batch. Loaded and stored one at a time, each slot cost a
+// dependent memory round trip: count and scatter took 13 and 22 us per call whatever M
+// (profile_20261201T032708Z), expand_small 18 us at 2048 slots.
+constexpr int kSlotBatch = 8;
 static_assert(kTileSlots <= kSlotBatch * kThreads, "a tile is one batch");
-// Blocks per tile in the scatter kernel. Each ranks the whole tile and publishes 1/kScatterSplit
-// of it: with one block per 4096-slot tile its scattered 4-byte stores kept scatter at 19.5 us,
-// eight blocks per tile took it to 13.0 (raw/profile_20261201T0437*_lib*.json, one session).
+// Blocks per tile in the scatter kernel, each ranking and publishing one part of it. When each ranked
+// the whole tile and published 1/kScatterSplit of it: with one block per 4096-slot tile its scattered
+// 4-byte stores kept scatter at 19.5 us, eight blocks per tile took it to 13.0
+// (raw/profile_20261201T0437*_lib*.json, one session).
 constexpr int kScatterSplit = 4;
 
 // Local expert of a routing id, or -1 when the slot is dropped. Every index is range-checked
@@ -120,6 +129,26 @@ __device__ void load_tile(const ExpandArgs<IdT>& a, int begin, int len, int* til
       const int i = i0 + u * kThreads;
       if (i < len) tile_expert[i] = e[u];
       if (i >= w_lo && i < w_hi) tile_weight[i - w_lo] = w[u];
+    }
+  }
+}
+
+// visit(s, e) for every slot s in [begin, end) with its local expert e (-1: dropped), Threads threads
+// striding over the slots, kSlotBatch loads of a thread in flight at once.
+template <int Threads, typename IdT, typename Visit>
+__device__ __forceinline__ void for_each_slot_expert(const ExpandArgs<IdT>& a, int begin, int end, Visit visit) {
+  for (int i0 = begin + static_cast<int>(threadIdx.x); i0 < end; i0 += Threads * kSlotBatch) {
+    int64_t id[kSlotBatch];
+#pragma unroll
+    for (int u = 0; u < kSlotBatch; ++u) {
+      const int s = i0 + u * Threads;
+      id[u] = s < end ? static_cast<int64_t>(__ldg(a.topk_ids + s)) : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kSlotBatch; ++u) {
+      const int s = i0 + u * Threads;
+      const int e = local_expert(a, id[u]);  // before the test: inside it, ptxas spilled 12 bytes
+      if (s < end) visit(s, e);
     }
   }
 }
@@ -228,9 +257,10 @@ __device__ void rank_per_warp(const int* tile_expert, int len, int* hist, Emit e
 
 // offsets[e] = sum of counts[0..e), offsets[num_experts] = total. counts must be visible
 // to the whole block; ends with a barrier.
+template <int Threads = kThreads>
 __device__ inline void block_exclusive_scan(const int* counts, int* offsets, int num_experts) {
-  constexpr int kPerThread = kMaxExperts / kThreads;
-  __shared__ int warp_totals[kWarps];
+  constexpr int kPerThread = (kMaxExperts + Threads - 1) / Threads;
+  __shared__ int warp_totals[Threads / 32];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int first = threadIdx.x * kPerThread;
@@ -256,7 +286,7 @@ __device__ inline void block_exclusive_scan(const int* counts, int* offsets, int
     if (first + i < num_experts) offsets[first + i] = running;
     running += local[i];
   }
-  if (threadIdx.x == kThreads - 1) offsets[num_experts] = running;  // experts past the end count 0
+  if (threadIdx.x == Threads - 1) offsets[num_experts] = running;  // experts past the end count 0
   __syncthreads();
 }
 
@@ -301,40 +331,87 @@ __device__ __forceinline__ void begin_expand_kernel() {
   pdl::launch_dependents();
 }
 
-// Small inputs, one launch: every block computes the whole routing in shared memory, block 0
-// publishes the counts and offsets, each block the maps of its share of the slots, and all gather.
+// Small inputs, one launch (kSmallThreads per block). Every block counts the experts of all the slots
+// and of those before its own part of them (shared-memory integer atomics: no per-warp histograms to
+// sum, and a thread counts kSlotBatch slots per memory round trip), takes the offsets from the counts,
+// ranks its part in slot order in one warp (row = offset + slots of the expert before the part + rank
+// in the part), publishes the part's maps and gathers its rows; block 0 publishes counts and offsets.
+// It replaced a version in which every block ranked every slot in per-warp rounds of ballots (8 rounds of
+// 10 ballots per warp at 2048 slots) and then gathered a grid-strided share: qwen3 M = 256 11.7 -> 6.0 us,
+// dsv3 M = 256 15.2 -> 10.9, gpt-oss 8.0 -> 5.4, M = 64 -0.5..-0.9 us; without its gather the kernel takes
+// 3.4-4.5 us up to 2048 slots, 6.4 at 8192 and 9.8 at 16384.
 template <typename IdT>
-__global__ void __launch_bounds__(kThreads) expand_small_kernel(ExpandArgs<IdT> a) {
+__global__ void __launch_bounds__(kSmallThreads) expand_small_kernel(ExpandArgs<IdT> a) {
   begin_expand_kernel();
-  __shared__ int tile_expert[kSmallSlots];
-  __shared__ float tile_weight[kSmallSlots];
-  __shared__ int hist[kWarps * kMaxExperts];
   __shared__ int counts[kMaxExperts];
+  __shared__ int before[kMaxExperts];  // slots of each expert before the part, then past the ranked ones
   __shared__ int offsets[kMaxExperts + 1];
+  __shared__ int part_expert[kMaxSmallPart];  // the part's experts, then their rows
+  __shared__ float part_weight[kMaxSmallPart];
   const int E = a.num_experts;
-  const bool publish = blockIdx.x == 0;
-  int lo, hi;  // the slots whose maps this block publishes
+  int lo, hi;
   part_range(a.num_slots, blockIdx.x, gridDim.x, &lo, &hi);
-
-  zero_warp_hist(hist);
-  load_tile(a, 0, a.num_slots, tile_expert, lo, hi, tile_weight);
-  __syncthreads();
-  count_per_warp(tile_expert, a.num_slots, hist);
-  __syncthreads();
-  for (int e = threadIdx.x; e < E; e += kThreads) counts[e] = sum_over_warps(hist, e);
-  __syncthreads();
-  block_exclusive_scan(counts, offsets, E);
-  if (publish) {
-    for (int e = threadIdx.x; e < E; e += kThreads) a.expert_counts[e] = counts[e];
-    for (int e = threadIdx.x; e <= E; e += kThreads) a.expert_offsets[e] = offsets[e];
+  const float weight = threadIdx.x < hi - lo ? __ldg(a.topk_weights + lo + threadIdx.x) : 0.0f;
+  for (int e = threadIdx.x; e < E; e += kSmallThreads) {
+    counts[e] = 0;
+    before[e] = 0;
   }
-  warp_counts_to_bases(hist, E, [&](int e) { return offsets[e]; });
   __syncthreads();
-  // A lane reads tile_expert[s] before it emits s, and no other lane reads s: the row replaces it.
-  rank_per_warp(tile_expert, a.num_slots, hist, [&](int s, int row) { tile_expert[s] = row; });
+  for_each_slot_expert<kSmallThreads>(a, 0, a.num_slots, [&](int s, int e) {
+    if (e >= 0) {
+      atomicAdd(counts + e, 1);
+      if (s < lo) atomicAdd(before + e, 1);
+    }
+    if (s >= lo && s < hi) part_expert[s - lo] = e;
+  });
+  if (threadIdx.x < hi - lo) part_weight[threadIdx.x] = weight;
   __syncthreads();
-  publish_rows(a, 0, lo, hi, tile_expert, tile_weight);
-  gather_rows(a, tile_expert, a.num_slots);
+  block_exclusive_scan<kSmallThreads>(counts, offsets, E);
+  if (blockIdx.x == 0) {
+    for (int e = threadIdx.x; e < E; e += kSmallThreads) a.expert_counts[e] = counts[e];
+    for (int e = threadIdx.x; e <= E; e += kSmallThreads) a.expert_offsets[e] = offsets[e];
+  }
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    for (int base = lo; base < hi; base += 32) {  // warp-uniform trip count
+      const int s = base + lane;
+      const int e = s < hi ? part_expert[s - lo] : -1;
+      const unsigned peers = same_expert_lanes(e);
+      const int row = e >= 0 ? offsets[e] + before[e] + __popc(peers & ((1u << lane) - 1u)) : -1;
+      __syncwarp();  // every lane has read before[e] before its leader advances it
+      if (e >= 0 && lane == 31 - __clz(peers)) before[e] += __popc(peers);
+      __syncwarp();
+      if (s < hi) {
+        part_expert[s - lo] = row;
+        a.slot_to_row[s] = row;
+        if (row >= 0) {
+          a.sorted_slots[row] = s;
+          a.row_weights[row] = part_weight[s - lo];
+        }
+      }
+    }
+  }
+  __syncthreads();
+  // One warp per row, kRowsPerTrip 16-byte chunks in flight per lane.
+  const int chunks = static_cast<int>(a.chunks_per_row);
+  const int lane = threadIdx.x % 32;
+  for (int r = threadIdx.x / 32; r < hi - lo; r += kSmallThreads / 32) {
+    const int row = part_expert[r];
+    if (row < 0) continue;
+    const uint4* src = reinterpret_cast<const uint4*>(a.hidden + static_cast<int64_t>((lo + r) / a.top_k) * a.hidden_stride);
+    uint4* dst = reinterpret_cast<uint4*>(a.gathered + static_cast<int64_t>(row) * a.gathered_stride);
+    for (int c0 = lane; c0 < chunks; c0 += 32 * kRowsPerTrip) {
+      uint4 v[kRowsPerTrip];
+#pragma unroll
+      for (int u = 0; u < kRowsPerTrip; ++u) {
+        if (c0 + 32 * u < chunks) v[u] = __ldg(src + c0 + 32 * u);
+      }
+#pragma unroll
+      for (int u = 0; u < kRowsPerTrip; ++u) {
+        if (c0 + 32 * u < chunks) dst[c0 + 32 * u] = v[u];
+      }
+    }
+  }
 }
 
 template <typename IdT>
@@ -342,93 +419,85 @@ __device__ __forceinline__ int tile_len(const ExpandArgs<IdT>& a, int tile) {
   return min(kTileSlots, a.num_slots - tile * kTileSlots);
 }
 
-// Large path 1/4: tile_prefix[b][e] = slots of expert e in tile b.
+// Large path 1/3: tile_counts[b][e] = slots of expert e in tile b (shared-memory integer atomics).
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_count_kernel(ExpandArgs<IdT> a) {
   begin_expand_kernel();
-  __shared__ int tile_expert[kTileSlots];
-  __shared__ int hist[kWarps * kMaxExperts];
-  const int len = tile_len(a, blockIdx.x);
-  zero_warp_hist(hist);
-  load_tile(a, blockIdx.x * kTileSlots, len, tile_expert, 0, 0, nullptr);
+  __shared__ int counts[kMaxExperts];
+  const int begin = blockIdx.x * kTileSlots;
+  for (int e = threadIdx.x; e < a.num_experts; e += kThreads) counts[e] = 0;
   __syncthreads();
-  count_per_warp(tile_expert, len, hist);
+  for_each_slot_expert<kThreads>(a, begin, begin + tile_len(a, blockIdx.x), [&](int, int e) {
+    if (e >= 0) atomicAdd(counts + e, 1);
+  });
   __syncthreads();
-  int32_t* tile_counts = a.tile_prefix + static_cast<int64_t>(blockIdx.x) * a.num_experts;
-  for (int e = threadIdx.x; e < a.num_experts; e += kThreads) tile_counts[e] = sum_over_warps(hist, e);
+  int32_t* tile_counts = a.tile_counts + static_cast<int64_t>(blockIdx.x) * a.num_experts;
+  for (int e = threadIdx.x; e < a.num_experts; e += kThreads) tile_counts[e] = counts[e];
 }
 
-// Large path 2/4 (one block): tile counts -> exclusive prefix over tiles per expert,
-// expert counts and offsets.
+// Large path 2/3 (kScatterSplit blocks per tile, each one part of it): the counts and offsets from every
+// tile's counts (block 0 publishes them), the first row of each expert in the part from the tiles before
+// and the tile's slots before the part, then the part's rows in slot order (one round of 32 slots per
+// warp), maps and row weights. It replaced a prefix kernel between count and scatter (one block: the
+// offsets, and the tile counts rewritten as prefixes) and a scatter that ranked the whole tile in every
+// block, with a count kernel that summed per-warp ballot histograms: count + prefix + scatter 12.9 ->
+// X us at qwen3 M = 4096 (benchmarks/results/raw/probe_20261202T*Z_expand_small_*.json).
 template <typename IdT>
-__global__ void __launch_bounds__(kThreads) expand_prefix_kernel(ExpandArgs<IdT> a, int num_tiles) {
+__global__ void __launch_bounds__(kThreads) expand_scatter_kernel(ExpandArgs<IdT> a, int num_tiles) {
   begin_expand_kernel();
+  constexpr int kPartSlots = kTileSlots / kScatterSplit;
+  static_assert(kPartSlots == kThreads, "a part is one round of 32 slots per warp");
+  __shared__ int part_expert[kPartSlots];  // then the rows
+  __shared__ float part_weight[kPartSlots];
+  __shared__ int hist[kWarps * kMaxExperts];
   __shared__ int counts[kMaxExperts];
+  __shared__ int before[kMaxExperts];  // slots of each expert before the part
   __shared__ int offsets[kMaxExperts + 1];
+  const int tile = blockIdx.x / kScatterSplit;
+  const int begin = tile * kTileSlots;
   const int E = a.num_experts;
+  int lo, hi;
+  part_range(tile_len(a, tile), blockIdx.x % kScatterSplit, kScatterSplit, &lo, &hi);
   for (int e = threadIdx.x; e < E; e += kThreads) {
-    int running = 0;
-    // Loads of a batch are issued before its stores: a dependent chain of L2 round trips
-    // per tile would dominate this kernel.
+    int total = 0;
+    int prior = 0;
     for (int b0 = 0; b0 < num_tiles; b0 += kPrefixBatch) {
       int c[kPrefixBatch];
 #pragma unroll
       for (int u = 0; u < kPrefixBatch; ++u) {
-        c[u] = b0 + u < num_tiles ? a.tile_prefix[static_cast<int64_t>(b0 + u) * E + e] : 0;
+        c[u] = b0 + u < num_tiles ? __ldg(a.tile_counts + static_cast<int64_t>(b0 + u) * E + e) : 0;
       }
 #pragma unroll
       for (int u = 0; u < kPrefixBatch; ++u) {
-        if (b0 + u < num_tiles) a.tile_prefix[static_cast<int64_t>(b0 + u) * E + e] = running;
-        running += c[u];
+        total += c[u];
+        prior += b0 + u < tile ? c[u] : 0;
       }
     }
-    counts[e] = running;
-  }
-  __syncthreads();
-  block_exclusive_scan(counts, offsets, E);
-  for (int e = threadIdx.x; e < E; e += kThreads) a.expert_counts[e] = counts[e];
-  for (int e = threadIdx.x; e <= E; e += kThreads) a.expert_offsets[e] = offsets[e];
-}
-
-// Large path 3/4 (kScatterSplit blocks per tile): stable rows of the tile's slots; each block
-// writes the maps and row weights of its part of them.
-template <typename IdT>
-__global__ void __launch_bounds__(kThreads) expand_scatter_kernel(ExpandArgs<IdT> a) {
-  begin_expand_kernel();
-  constexpr int kBasesPerThread = kMaxExperts / kThreads;
-  __shared__ int tile_expert[kTileSlots];
-  __shared__ float tile_weight[kTileSlots / kScatterSplit];
-  __shared__ int hist[kWarps * kMaxExperts];
-  __shared__ int bases[kMaxExperts];
-  const int tile = blockIdx.x / kScatterSplit;
-  const int begin = tile * kTileSlots;
-  const int len = tile_len(a, tile);
-  const int E = a.num_experts;
-  int lo, hi;
-  part_range(len, blockIdx.x % kScatterSplit, kScatterSplit, &lo, &hi);
-  // The first row of each expert in this tile, loaded before the tile so the two round trips overlap.
-  const int32_t* tile_prefix = a.tile_prefix + static_cast<int64_t>(tile) * E;
-  int base[kBasesPerThread];
-#pragma unroll
-  for (int j = 0; j < kBasesPerThread; ++j) {
-    const int e = threadIdx.x + j * kThreads;
-    base[j] = e < E ? __ldg(a.expert_offsets + e) + __ldg(tile_prefix + e) : 0;
+    counts[e] = total;
+    before[e] = prior;
   }
   zero_warp_hist(hist);
-  load_tile(a, begin, len, tile_expert, lo, hi, tile_weight);
-#pragma unroll
-  for (int j = 0; j < kBasesPerThread; ++j) bases[threadIdx.x + j * kThreads] = base[j];
   __syncthreads();
-  count_per_warp(tile_expert, len, hist);
+  for_each_slot_expert<kThreads>(a, begin, begin + lo, [&](int, int e) {
+    if (e >= 0) atomicAdd(before + e, 1);
+  });
+  load_tile(a, begin + lo, hi - lo, part_expert, 0, hi - lo, part_weight);
   __syncthreads();
-  warp_counts_to_bases(hist, E, [&](int e) { return bases[e]; });
+  block_exclusive_scan(counts, offsets, E);
+  if (blockIdx.x == 0) {
+    for (int e = threadIdx.x; e < E; e += kThreads) a.expert_counts[e] = counts[e];
+    for (int e = threadIdx.x; e <= E; e += kThreads) a.expert_offsets[e] = offsets[e];
+  }
+  count_per_warp(part_expert, hi - lo, hist);
   __syncthreads();
-  rank_per_warp(tile_expert, len, hist, [&](int s, int row) { tile_expert[s] = row; });  // as in expand_small
+  warp_counts_to_bases(hist, E, [&](int e) { return offsets[e] + before[e]; });
   __syncthreads();
-  publish_rows(a, begin, lo, hi, tile_expert, tile_weight);
+  rank_per_warp(part_expert, hi - lo, hist, [&](int s, int row) { part_expert[s] = row; });
+  __syncthreads();
+  publish_rows(a, begin + lo, 0, hi - lo, part_expert, part_weight);
 }
 
-// Large path 4/4: gather the rows.
+// Large path 3/3: gather the rows.
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads) expand_gather_kernel(ExpandArgs<IdT> a) {
   begin_expand_kernel();
@@ -454,15 +523,15 @@ struct Same {
 
 // dependent: a programmatic dependent launch on the kernel before it (pdl.cuh); the kernel waits.
 template <class... P>
-inline cudaError_t launch(void (*kernel)(P...), int grid, cudaStream_t stream, NodeUpdate* update, bool dependent,
-                          typename Same<P>::type... args) {
+inline cudaError_t launch(void (*kernel)(P...), int grid, int threads, cudaStream_t stream, NodeUpdate* update,
+                          bool dependent, typename Same<P>::type... args) {
   if (update == nullptr) {
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(kThreads);
+    cfg.blockDim = dim3(threads);
     cfg.stream = stream;
     cfg.attrs = &attr;
     cfg.numAttrs = dependent ? 1 : 0;
@@ -472,7 +541,7 @@ inline cudaError_t launch(void (*kernel)(P...), int grid, cudaStream_t stream, N
   cudaKernelNodeParams node = {};
   node.func = reinterpret_cast<void*>(kernel);
   node.gridDim = dim3(grid);
-  node.blockDim = dim3(kThreads);
+  node.blockDim = dim3(threads);
   node.kernelParams = params;
   return cudaGraphExecKernelNodeSetParams(update->exec, update->nodes[update->next++], &node);
 }
@@ -484,7 +553,7 @@ inline int grid_blocks(int64_t items, int64_t per_block, int max_blocks) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((items + per_block - 1) / per_block, max_blocks)));
 }
 
-// Whether expand runs as the one expand_small launch for this many slots (M * top_k), or as four.
+// Whether expand runs as the one expand_small launch for this many slots (M * top_k), or as three.
 // mc_layer's graph variants and the first GEMM1's launch mode (pdl.cuh) follow the same decision.
 inline bool one_kernel_expand(int64_t slots) { return slots <= kSmallSlots; }
 
@@ -521,21 +590,20 @@ int expand(const IdT* topk_ids, const float* topk_weights, int64_t num_tokens, i
                     slot_to_row, static_cast<__nv_bfloat16*>(gathered), gathered_stride,
                     row_weights, workspace};
   if (one_kernel_expand(a.num_slots)) {
-    return launch(expand_small_kernel<IdT>, grid_blocks(a.num_slots, kRowsPerTrip, kMaxSmallBlocks), stream, update, false,
-                  a);
+    return launch(expand_small_kernel<IdT>, grid_blocks(a.num_slots, kRowsPerTrip, kMaxSmallBlocks), kSmallThreads,
+                  stream, update, false, a);
   }
   const int num_tiles = ceil_div(a.num_slots, kTileSlots);
   if (workspace == nullptr || workspace_ints < expand_workspace_ints(num_tokens, top_k, num_experts)) {
     return cudaErrorInvalidValue;
   }
-  cudaError_t err = launch(expand_count_kernel<IdT>, num_tiles, stream, update, false, a);
+  cudaError_t err = launch(expand_count_kernel<IdT>, num_tiles, kThreads, stream, update, false, a);
   if (err != cudaSuccess) return err;
-  err = launch(expand_prefix_kernel<IdT>, 1, stream, update, dependent, a, num_tiles);
+  err = launch(expand_scatter_kernel<IdT>, num_tiles * kScatterSplit, kThreads, stream, update, dependent, a,
+               num_tiles);
   if (err != cudaSuccess) return err;
-  err = launch(expand_scatter_kernel<IdT>, num_tiles * kScatterSplit, stream, update, dependent, a);
-  if (err != cudaSuccess) return err;
-  return launch(expand_gather_kernel<IdT>, grid_blocks(a.num_slots, kRowsPerTrip, kMaxStreamBlocks), stream, update, dependent,
-                a);
+  return launch(expand_gather_kernel<IdT>, grid_blocks(a.num_slots, kRowsPerTrip, kMaxStreamBlocks), kThreads, stream,
+                update, dependent, a);
 }
 
 struct FinalizeArgs {
@@ -590,8 +658,8 @@ inline int finalize(const void* rows, int64_t rows_stride, int64_t num_rows, con
   FinalizeArgs a{static_cast<const __nv_bfloat16*>(rows), rows_stride, num_rows, slot_to_row,
                  num_tokens, top_k, hidden_size / kBf16PerChunk, routed_scaling_factor,
                  static_cast<__nv_bfloat16*>(out), out_stride};
-  return launch(finalize_kernel, grid_blocks(num_tokens * a.chunks_per_row, kThreads, kMaxStreamBlocks), stream,
-                update, dependent, a);
+  return launch(finalize_kernel, grid_blocks(num_tokens * a.chunks_per_row, kThreads, kMaxStreamBlocks), kThreads,
+                stream, update, dependent, a);
 }
 
 }  // namespace routing
