@@ -36,7 +36,7 @@ namespace layer_launch {
 
 namespace routing = moe_cutlass::routing;
 
-constexpr int kMaxNodes = 4 + 2 * MC_MAX_GEMM_PARTS + 1;  // expand (1 or 4 kernels), GEMM parts, finalize
+constexpr int kMaxNodes = routing::kTiledExpandKernels + 2 * MC_MAX_GEMM_PARTS + 1;  // expand, GEMM parts, finalize
 constexpr int kVariants = 4;
 
 enum Stage { kExpand = 0, kGemm1 = 1, kGemm2 = 2, kFinalize = 3, kGraph = 4 };
@@ -151,7 +151,7 @@ inline bool capture(McLayerCall* c, Variant& v) {
     if (ok) v.nodes[count++] = next_node[0];
   }
   v.num_nodes = count;
-  ok = ok && count == (v.small ? 1 : 4) + 2 * v.plan.num_parts + 1 &&
+  ok = ok && count == (v.small ? 1 : routing::kTiledExpandKernels) + 2 * v.plan.num_parts + 1 &&
        cudaGraphInstantiate(&v.exec, v.graph, 0) == cudaSuccess;
   cudaGetLastError();  // a failed capture leaves its error behind; the direct launches must not see it
   return ok;

@@ -553,7 +553,11 @@ inline int grid_blocks(int64_t items, int64_t per_block, int max_blocks) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((items + per_block - 1) / per_block, max_blocks)));
 }
 
-// Whether expand runs as the one expand_small launch for this many slots (M * top_k), or as three.
+// The tiled path's launches: count, scatter, gather.
+constexpr int kTiledExpandKernels = 3;
+
+// Whether expand runs as the one expand_small launch for this many slots (M * top_k), or as the
+// kTiledExpandKernels.
 // mc_layer's graph variants and the first GEMM1's launch mode (pdl.cuh) follow the same decision.
 inline bool one_kernel_expand(int64_t slots) { return slots <= kSmallSlots; }
 
