@@ -51,8 +51,6 @@ constexpr int kMaxStreamBlocks = 4096;
 // Rows a block gathers (or a finalize thread sums) per loop trip: independent loads keep
 // bytes in flight.
 constexpr int kRowsPerTrip = 4;
-// 16-byte loads a one-launch thread has in flight in its gather.
-constexpr int kGatherBatch = 8;
 constexpr int kBf16PerChunk = 8;
 
 static_assert(kMaxExperts % kThreads == 0, "block scan assumes whole experts per thread");
@@ -394,28 +392,24 @@ __global__ void __launch_bounds__(kSmallThreads) expand_small_kernel(ExpandArgs<
     }
   }
   __syncthreads();
-  // The part's (row, 16-byte chunk) items over all threads, kGatherBatch of a thread's loads in flight at
-  // once: one warp per row left a 4-row part of dsv3's 7168-wide rows (M = 16) four round trips per lane,
-  // 5.7 -> 7.4 us against the kernel before (profile_20261202T050045Z).
-  const uint32_t chunks = static_cast<uint32_t>(a.chunks_per_row);
-  const uint32_t items = static_cast<uint32_t>(hi - lo) * chunks;  // < 2^31: expand() bounds chunks_per_row
-  for (uint32_t i0 = threadIdx.x; i0 < items; i0 += kSmallThreads * kGatherBatch) {
-    uint4 v[kGatherBatch];
-    int row[kGatherBatch];
-    uint32_t c[kGatherBatch];
+  // One warp per row, kRowsPerTrip 16-byte chunks in flight per lane.
+  const int chunks = static_cast<int>(a.chunks_per_row);
+  const int lane = threadIdx.x % 32;
+  for (int r = threadIdx.x / 32; r < hi - lo; r += kSmallThreads / 32) {
+    const int row = part_expert[r];
+    if (row < 0) continue;
+    const uint4* src = reinterpret_cast<const uint4*>(a.hidden + static_cast<int64_t>((lo + r) / a.top_k) * a.hidden_stride);
+    uint4* dst = reinterpret_cast<uint4*>(a.gathered + static_cast<int64_t>(row) * a.gathered_stride);
+    for (int c0 = lane; c0 < chunks; c0 += 32 * kRowsPerTrip) {
+      uint4 v[kRowsPerTrip];
 #pragma unroll
-    for (int u = 0; u < kGatherBatch; ++u) {
-      const uint32_t i = i0 + u * kSmallThreads;
-      const uint32_t r = i < items ? i / chunks : 0;
-      c[u] = i - r * chunks;
-      row[u] = i < items ? part_expert[r] : -1;
-      if (row[u] >= 0) {
-        v[u] = __ldg(reinterpret_cast<const uint4*>(a.hidden + static_cast<int64_t>((lo + r) / a.top_k) * a.hidden_stride) + c[u]);
+      for (int u = 0; u < kRowsPerTrip; ++u) {
+        if (c0 + 32 * u < chunks) v[u] = __ldg(src + c0 + 32 * u);
       }
-    }
 #pragma unroll
-    for (int u = 0; u < kGatherBatch; ++u) {
-      if (row[u] >= 0) reinterpret_cast<uint4*>(a.gathered + static_cast<int64_t>(row[u]) * a.gathered_stride)[c[u]] = v[u];
+      for (int u = 0; u < kRowsPerTrip; ++u) {
+        if (c0 + 32 * u < chunks) dst[c0 + 32 * u] = v[u];
+      }
     }
   }
 }
@@ -584,7 +578,7 @@ int expand(const IdT* topk_ids, const float* topk_weights, int64_t num_tokens, i
            cudaStream_t stream, NodeUpdate* update = nullptr, bool dependent = false) {
   const bool bad_sizes = num_tokens < 0 || top_k < 1 || num_experts < 1 || num_experts > kMaxExperts ||
                          hidden_size <= 0 || hidden_size % kBf16PerChunk != 0 ||
-                         hidden_size / kBf16PerChunk > INT_MAX / kMaxSmallPart || num_tokens * top_k > INT_MAX || (expert_map != nullptr && num_global_experts < 0);
+                         hidden_size / kBf16PerChunk > INT_MAX || num_tokens * top_k > INT_MAX || (expert_map != nullptr && num_global_experts < 0);
   const bool bad_rows = hidden_stride < hidden_size || gathered_stride < hidden_size ||
                         hidden_stride % kBf16PerChunk != 0 || gathered_stride % kBf16PerChunk != 0 ||
                         !aligned16(hidden) || !aligned16(gathered);
