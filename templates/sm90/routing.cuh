@@ -339,7 +339,12 @@ __device__ __forceinline__ void begin_expand_kernel() {
 // It replaced a version in which every block ranked every slot in per-warp rounds of ballots (8 rounds of
 // 10 ballots per warp at 2048 slots) and then gathered a grid-strided share: qwen3 M = 256 11.7 -> 6.0 us,
 // dsv3 M = 256 15.2 -> 10.9, gpt-oss 8.0 -> 5.4, M = 64 -0.5..-0.9 us; without its gather the kernel takes
-// 3.4-4.5 us up to 2048 slots, 6.4 at 8192 and 9.8 at 16384.
+// 3.4-4.5 us up to 2048 slots, 6.4 at 8192 and 9.8 at 16384. The gather runs one warp per row; a 4-row part
+// of 7168-wide rows (dsv3 M = 16) then takes four round trips per lane, 5.7 -> 7.4 us against the kernel
+// before (profile_20261202T050045Z). The part's (row, chunk) items flattened over all threads, eight loads
+// in flight each, measured slower everywhere else (raw/probe_20261202T050500Z_expand_small_flat_gather_
+// dropped.json against raw/probe_20261202T044700Z_*: qwen3 M = 256 6.2 -> 7.0 us, M = 1024 14.0 -> 16.4,
+// dsv3 M = 256 11.0 -> 13.6) and still 0.9 us behind the kernel before at dsv3 M = 16.
 template <typename IdT>
 __global__ void __launch_bounds__(kSmallThreads) expand_small_kernel(ExpandArgs<IdT> a) {
   begin_expand_kernel();
