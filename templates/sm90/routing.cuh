@@ -153,17 +153,17 @@ __device__ __forceinline__ void for_each_slot_expert(const ExpandArgs<IdT>& a, i
   }
 }
 
-// Writes the maps and row weights of the tile's slots begin + i, i in [lo, hi), from tile_row[i]
-// (the slot's row, -1: dropped) and tile_weight[i - lo].
-template <typename IdT>
-__device__ void publish_rows(const ExpandArgs<IdT>& a, int begin, int lo, int hi, const int* tile_row,
-                             const float* tile_weight) {
-  for (int i = lo + threadIdx.x; i < hi; i += kThreads) {
-    const int row = tile_row[i];
+// Writes the maps and row weights of the slots begin + i, i < len, from part_row[i] (the slot's row,
+// -1: dropped) and part_weight[i].
+template <int Threads, typename IdT>
+__device__ void publish_rows(const ExpandArgs<IdT>& a, int begin, int len, const int* part_row,
+                             const float* part_weight) {
+  for (int i = threadIdx.x; i < len; i += Threads) {
+    const int row = part_row[i];
     a.slot_to_row[begin + i] = row;
     if (row >= 0) {
       a.sorted_slots[row] = begin + i;
-      a.row_weights[row] = tile_weight[i - lo];
+      a.row_weights[row] = part_weight[i];
     }
   }
 }
@@ -234,16 +234,15 @@ __device__ __forceinline__ int sum_over_warps(const int* hist, int e) {
   return total;
 }
 
-// Calls emit(local_slot, row) for every slot of the tile, row = -1 for dropped slots, after the
+// One warp: calls emit(local_slot, row) for every slot in [begin, end), in slot order, row =
+// next_row[e] + the slot's rank among the expert's slots there (-1 for dropped slots), after the
 // calling lane's last read of tile_expert[local_slot]: emit may overwrite that entry (the expand
-// kernels store the row there). hist must hold the bases from warp_counts_to_bases.
+// kernels store the row there). next_row[e] ends past the expert's last row.
 template <typename Emit>
-__device__ void rank_per_warp(const int* tile_expert, int len, int* hist, Emit emit) {
-  int begin, end;
-  warp_range(len, &begin, &end);
+__device__ __forceinline__ void rank_in_warp(const int* tile_expert, int begin, int end, int* next_row, Emit emit) {
   const int lane = threadIdx.x % 32;
   const unsigned lanes_below = (1u << lane) - 1u;
-  int* warp_base = hist + (threadIdx.x / 32) * kMaxExperts;
+  int* warp_base = next_row;
   for (int base = begin; base < end; base += 32) {
     const int s = base + lane;
     const int e = s < end ? tile_expert[s] : -1;
@@ -253,6 +252,15 @@ __device__ void rank_per_warp(const int* tile_expert, int len, int* hist, Emit e
     if (e >= 0 && lane == 31 - __clz(peers)) warp_base[e] += __popc(peers);
     __syncwarp();
   }
+}
+
+// rank_in_warp over the tile, each warp its warp_range of it; hist must hold the bases from
+// warp_counts_to_bases.
+template <typename Emit>
+__device__ void rank_per_warp(const int* tile_expert, int len, int* hist, Emit emit) {
+  int begin, end;
+  warp_range(len, &begin, &end);
+  rank_in_warp(tile_expert, begin, end, hist + (threadIdx.x / 32) * kMaxExperts, emit);
 }
 
 // offsets[e] = sum of counts[0..e), offsets[num_experts] = total. counts must be visible
@@ -288,6 +296,16 @@ __device__ inline void block_exclusive_scan(const int* counts, int* offsets, int
   }
   if (threadIdx.x == Threads - 1) offsets[num_experts] = running;  // experts past the end count 0
   __syncthreads();
+}
+
+// offsets from counts (block_exclusive_scan); block 0 publishes both.
+template <int Threads, typename IdT>
+__device__ __forceinline__ void take_offsets(const ExpandArgs<IdT>& a, const int* counts, int* offsets) {
+  block_exclusive_scan<Threads>(counts, offsets, a.num_experts);
+  if (blockIdx.x == 0) {
+    for (int e = threadIdx.x; e < a.num_experts; e += Threads) a.expert_counts[e] = counts[e];
+    for (int e = threadIdx.x; e <= a.num_experts; e += Threads) a.expert_offsets[e] = offsets[e];
+  }
 }
 
 // gathered[row_of_slot[s]] = hidden[s / top_k] for every slot s that has a row, walked in slot
@@ -345,11 +363,13 @@ __device__ __forceinline__ void begin_expand_kernel() {
 // in flight each, measured slower everywhere else (raw/probe_20261202T050500Z_expand_small_flat_gather_
 // dropped.json against raw/probe_20261202T044700Z_*: qwen3 M = 256 6.2 -> 7.0 us, M = 1024 14.0 -> 16.4,
 // dsv3 M = 256 11.0 -> 13.6) and still 0.9 us behind the kernel before at dsv3 M = 16.
+// One block per SM is enough (at most 256 blocks of 512 threads, two fit an SM at 56 registers); with the
+// default bound ptxas kept 40 registers and spilled the part's weight across the counting loop.
 template <typename IdT>
-__global__ void __launch_bounds__(kSmallThreads) expand_small_kernel(ExpandArgs<IdT> a) {
+__global__ void __launch_bounds__(kSmallThreads, 1) expand_small_kernel(ExpandArgs<IdT> a) {
   begin_expand_kernel();
   __shared__ int counts[kMaxExperts];
-  __shared__ int before[kMaxExperts];  // slots of each expert before the part, then past the ranked ones
+  __shared__ int before[kMaxExperts];  // slots of each expert before the part, then its next row
   __shared__ int offsets[kMaxExperts + 1];
   __shared__ int part_expert[kMaxSmallPart];  // the part's experts, then their rows
   __shared__ float part_weight[kMaxSmallPart];
@@ -371,32 +391,12 @@ __global__ void __launch_bounds__(kSmallThreads) expand_small_kernel(ExpandArgs<
   });
   if (threadIdx.x < hi - lo) part_weight[threadIdx.x] = weight;
   __syncthreads();
-  block_exclusive_scan<kSmallThreads>(counts, offsets, E);
-  if (blockIdx.x == 0) {
-    for (int e = threadIdx.x; e < E; e += kSmallThreads) a.expert_counts[e] = counts[e];
-    for (int e = threadIdx.x; e <= E; e += kSmallThreads) a.expert_offsets[e] = offsets[e];
-  }
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    for (int base = lo; base < hi; base += 32) {  // warp-uniform trip count
-      const int s = base + lane;
-      const int e = s < hi ? part_expert[s - lo] : -1;
-      const unsigned peers = same_expert_lanes(e);
-      const int row = e >= 0 ? offsets[e] + before[e] + __popc(peers & ((1u << lane) - 1u)) : -1;
-      __syncwarp();  // every lane has read before[e] before its leader advances it
-      if (e >= 0 && lane == 31 - __clz(peers)) before[e] += __popc(peers);
-      __syncwarp();
-      if (s < hi) {
-        part_expert[s - lo] = row;
-        a.slot_to_row[s] = row;
-        if (row >= 0) {
-          a.sorted_slots[row] = s;
-          a.row_weights[row] = part_weight[s - lo];
-        }
-      }
-    }
-  }
+  take_offsets<kSmallThreads>(a, counts, offsets);
+  for (int e = threadIdx.x; e < E; e += kSmallThreads) before[e] += offsets[e];
   __syncthreads();
+  if (threadIdx.x < 32) rank_in_warp(part_expert, 0, hi - lo, before, [&](int s, int row) { part_expert[s] = row; });
+  __syncthreads();
+  publish_rows<kSmallThreads>(a, lo, hi - lo, part_expert, part_weight);
   // One warp per row, kRowsPerTrip 16-byte chunks in flight per lane.
   const int chunks = static_cast<int>(a.chunks_per_row);
   const int lane = threadIdx.x % 32;
@@ -490,18 +490,14 @@ __global__ void __launch_bounds__(kThreads) expand_scatter_kernel(ExpandArgs<IdT
   });
   load_tile(a, begin + lo, hi - lo, part_expert, 0, hi - lo, part_weight);
   __syncthreads();
-  block_exclusive_scan(counts, offsets, E);
-  if (blockIdx.x == 0) {
-    for (int e = threadIdx.x; e < E; e += kThreads) a.expert_counts[e] = counts[e];
-    for (int e = threadIdx.x; e <= E; e += kThreads) a.expert_offsets[e] = offsets[e];
-  }
+  take_offsets<kThreads>(a, counts, offsets);
   count_per_warp(part_expert, hi - lo, hist);
   __syncthreads();
   warp_counts_to_bases(hist, E, [&](int e) { return offsets[e] + before[e]; });
   __syncthreads();
   rank_per_warp(part_expert, hi - lo, hist, [&](int s, int row) { part_expert[s] = row; });
   __syncthreads();
-  publish_rows(a, begin + lo, 0, hi - lo, part_expert, part_weight);
+  publish_rows<kThreads>(a, begin + lo, hi - lo, part_expert, part_weight);
 }
 
 // Large path 3/3: gather the rows.
