@@ -4,10 +4,9 @@
 // A slot is one (token t, choice j) pair, slot = t * top_k + j. "Rows" are slots in
 // expert order: row r of expert e lies in [offsets[e], offsets[e + 1]).
 //
-// Determinism: no floating-point atomics. The tiled path's counts come from warp-level matching
-// (same_expert_lanes) and fixed-order sums; the one-launch path counts with shared-memory integer
-// atomics, whose totals do not depend on their order. Rows are ranked in slot order either way, so
-// results never depend on timing.
+// Determinism: no floating-point atomics. Experts are counted with shared-memory integer atomics,
+// whose totals do not depend on their order, and summed over tiles in a fixed order; rows are ranked
+// in slot order by warp-level matching (same_expert_lanes), so results never depend on timing.
 //
 // Meant for exactly one translation unit (the rendered routing.cu): finalize_kernel has
 // external linkage.
@@ -228,12 +227,6 @@ __device__ void warp_counts_to_bases(int* hist, int num_experts, BaseFn base) {
   }
 }
 
-__device__ __forceinline__ int sum_over_warps(const int* hist, int e) {
-  int total = 0;
-  for (int w = 0; w < kWarps; ++w) total += hist[w * kMaxExperts + e];
-  return total;
-}
-
 // One warp: calls emit(local_slot, row) for every slot in [begin, end), in slot order, row =
 // next_row[e] + the slot's rank among the expert's slots there (-1 for dropped slots), after the
 // calling lane's last read of tile_expert[local_slot]: emit may overwrite that entry (the expand
@@ -242,14 +235,13 @@ template <typename Emit>
 __device__ __forceinline__ void rank_in_warp(const int* tile_expert, int begin, int end, int* next_row, Emit emit) {
   const int lane = threadIdx.x % 32;
   const unsigned lanes_below = (1u << lane) - 1u;
-  int* warp_base = next_row;
   for (int base = begin; base < end; base += 32) {
     const int s = base + lane;
     const int e = s < end ? tile_expert[s] : -1;
     const unsigned peers = same_expert_lanes(e);
-    if (s < end) emit(s, e >= 0 ? warp_base[e] + __popc(peers & lanes_below) : -1);
-    __syncwarp();  // every lane has read warp_base[e] before its leader advances it
-    if (e >= 0 && lane == 31 - __clz(peers)) warp_base[e] += __popc(peers);
+    if (s < end) emit(s, e >= 0 ? next_row[e] + __popc(peers & lanes_below) : -1);
+    __syncwarp();  // every lane has read next_row[e] before its leader advances it
+    if (e >= 0 && lane == 31 - __clz(peers)) next_row[e] += __popc(peers);
     __syncwarp();
   }
 }
