@@ -13,10 +13,11 @@ Prepared tensors (dict values; the expert is dim 0 of every tensor):
   16 bytes at offset 16*t (one conflict-free 128-bit ld.shared).
   Each 32-bit word of a fragment holds the 8 values v = 0..7 of one k-block in the m64k16
   register order (v: k + (v & 1), row + 8 * ((v >> 1) & 1), k + 8 * (v >> 2), with row =
-  16 * (t // 32) + (t % 32) // 4 and k = 2 * (t % 4)). Value v sits in the 16-bit lane v & 1
-  (low lane: even v) at the bit positions BIT_POS[v >> 1] of its (sign, e1, e0, m) code bits:
-  the layout whose conversion to bf16 is one mask or shift-and-mask per output register plus one
-  multiply (templates/sm90/mxfp4_math.cuh, mc_e2m1x8_to_bf16).
+  16 * (t // 32) + (t % 32) // 4 and k = 2 * (t % 4)). The (sign, e1, e0, m) bits of value v sit
+  at the word's bit positions CODE_BITS[v]: the layout whose conversion to bf16 is a few shifts
+  and masks per output register plus one multiply (templates/sm90/mxfp4_math.cuh,
+  mc_e2m1x8_to_bf16). State dicts of MoELayer before version 2 hold BIT_POS_V1's layout
+  (`migrate_blocks_v1` rewrites them).
 - ``scales``: uint8 [E, Kp/32, Npad], E8M0 bytes, N contiguous (the TMA box is (TileM, TileK/32));
   padding holds 0 (with zero codes, contributes exactly 0).
 - ``bias`` (only when a bias is given): float32 [E, Npad], zero padded.
@@ -45,11 +46,16 @@ UNIT_M = 64
 UNIT_K = 64
 GATE_UP_ORDERS = ("concat", "interleaved")
 
-# Bit positions (sign, e1, e0, m) inside a 16-bit lane of the values converted into output
-# register j = 0..3 (lane 0: v = 2j, lane 1: v = 2j + 1). Register j is then (word << (3j)) & mask
-# for j < 3 (the sign lands on bf16 bit 15, e1 e0 on exponent bits 8..7, m on mantissa bit 6), and
-# three shifts for j = 3; the bf16 it yields is the e2m1 value times 2^-126.
-BIT_POS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 11, 10, 13))
+# Bit positions in the 32-bit word of the (sign, e1, e0, m) bits of value v = 0..7, for
+# mc_e2m1x8_to_bf16's output registers j = v >> 1 (lane v & 1): j0 = q & T, j1 = ((q << 4) & T') |
+# ((q >> 4) & T''), j2 = (q << 6) & T, j3 = rotl(q, 10) & T, T = 0x81C081C0 (per lane: sign on
+# bf16 bit 15, e1 e0 on exponent bits 8..7, m on mantissa bit 6), so each yields the bf16 of the
+# e2m1 value times 2^-126.
+CODE_BITS = ((15, 8, 7, 6), (31, 24, 23, 22), (11, 4, 3, 10), (27, 20, 19, 26),
+             (9, 2, 1, 0), (25, 18, 17, 16), (5, 30, 29, 28), (21, 14, 13, 12))
+# The layout before (MoELayer state dicts of version 1): positions inside the 16-bit lane v & 1 of
+# value v's bits, by register j = v >> 1.
+BIT_POS_V1 = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 11, 10, 13))
 FAST_SCALE_MAX = 128   # 2^(s-1) must be a normal bf16: the bias-fixing multiply folds in the scale
 
 
@@ -89,21 +95,10 @@ def _rows_w13(I: int, gate_up: str, device) -> torch.Tensor:
     return torch.where(is_up, 2 * j + 1, 2 * j)
 
 
-def _lane_bits() -> torch.Tensor:
-    """int32 [4, 16]: the bits, inside a 16-bit lane, of code c converted into output register j."""
-    return torch.tensor([[sum(((c >> (3 - i)) & 1) << BIT_POS[j][i] for i in range(4)) for c in range(16)]
-                         for j in range(4)], dtype=torch.int32)
-
-
-@functools.lru_cache(maxsize=None)
-def _lane_codes(device) -> torch.Tensor:
-    """int32 [65536]: a 16-bit lane -> its 4 codes, code j at bits 4j..4j+3 (inverse of _lane_bits)."""
-    lane = torch.arange(1 << 16, dtype=torch.int32)
-    packed = torch.zeros_like(lane)
-    for j in range(4):
-        for i, pos in enumerate(BIT_POS[j]):
-            packed |= ((lane >> pos) & 1) << (4 * j + 3 - i)
-    return packed.to(device)
+def _code_bits(device) -> torch.Tensor:
+    """int64 [8, 16]: value v's code c -> its bits in the word."""
+    return torch.tensor([[sum(((c >> (3 - i)) & 1) << pos for i, pos in enumerate(CODE_BITS[v])) for c in range(16)]
+                         for v in range(8)], dtype=torch.int64, device=device)
 
 
 def _swizzle_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -112,26 +107,45 @@ def _swizzle_codes(codes: torch.Tensor) -> torch.Tensor:
     S, U = Np // UNIT_M, Kp // UNIT_K
     idx = _unit_index(codes.device)
     units = codes.view(E, S, UNIT_M, U, UNIT_K).permute(0, 1, 3, 2, 4).reshape(E, S, U, UNIT_M * UNIT_K)
-    g = units.index_select(3, idx).view(E, S, U, 128, 4, 4, 2).long()   # (t, kb, register j, lane)
-    table = _lane_bits().to(codes.device)
-    lanes = table[0][g[..., 0, :]]
-    for j in range(1, 4):
-        lanes |= table[j][g[..., j, :]]
-    data = torch.stack((lanes & 0xFF, lanes >> 8), dim=-1)              # (t, kb, lane, byte): little endian
+    g = units.index_select(3, idx).view(E, S, U, 128, 4, 8).long()     # (t, kb, value v)
+    table = _code_bits(codes.device)
+    words = table[0][g[..., 0]]
+    for v in range(1, 8):
+        words |= table[v][g[..., v]]
+    data = torch.stack([(words >> (8 * b)) & 0xFF for b in range(4)], dim=-1)   # little endian
     return data.to(torch.uint8).reshape(E, S, U, 2048)                   # unit offset o = 16 t + 4 kb + byte
+
+
+def _words(blocks: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 4n] -> int64 [..., n]: the little-endian 32-bit words."""
+    data = blocks.reshape(*blocks.shape[:-1], -1, 4).long()
+    return data[..., 0] | (data[..., 1] << 8) | (data[..., 2] << 16) | (data[..., 3] << 24)
 
 
 def _unswizzle_codes(blocks: torch.Tensor) -> torch.Tensor:
     """Exact inverse of _swizzle_codes."""
     E, S, U, _ = blocks.shape
     Np, Kp = S * UNIT_M, U * UNIT_K
-    data = blocks.reshape(E, S, U, 128, 4, 2, 2).int()
-    packed = _lane_codes(blocks.device)[(data[..., 0] | (data[..., 1] << 8)).long()]   # (t, kb, lane)
-    g = torch.stack([(packed >> (4 * j)) & 15 for j in range(4)], dim=-2)          # (t, kb, j, lane)
+    words = _words(blocks).view(E, S, U, 128, 4)                        # (t, kb)
+    g = torch.stack([sum(((words >> pos) & 1) << (3 - i) for i, pos in enumerate(CODE_BITS[v])) for v in range(8)],
+                    dim=-1)                                              # (t, kb, v)
     g = g.to(torch.uint8).reshape(E, S, U, UNIT_M * UNIT_K)
     units = torch.empty_like(g)
     units[..., _unit_index(blocks.device)] = g
     return units.view(E, S, U, UNIT_M, UNIT_K).permute(0, 1, 3, 2, 4).reshape(E, Np, Kp)
+
+
+def migrate_blocks_v1(blocks: torch.Tensor) -> torch.Tensor:
+    """Prepared blocks in BIT_POS_V1's bit layout (MoELayer state dicts of version 1) -> the same
+    weights in CODE_BITS's layout (a permutation of each word's bits), a chunk of experts at a time."""
+    moves = [(BIT_POS_V1[v >> 1][i] + 16 * (v & 1), CODE_BITS[v][i]) for v in range(8) for i in range(4)]
+    out = torch.empty_like(blocks)
+    for e0, e1 in _chunks(len(blocks), blocks[0].numel() if len(blocks) else 1):
+        words = _words(blocks[e0:e1])
+        moved = sum(((words >> old) & 1) << new for old, new in moves)
+        data = torch.stack([(moved >> (8 * b)) & 0xFF for b in range(4)], dim=-1)
+        out[e0:e1] = data.to(torch.uint8).view(out[e0:e1].shape)
+    return out
 
 
 def scale_max(scales: torch.Tensor) -> int:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import checkpoint, sharding
+from . import checkpoint, layout, sharding
 from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_int, check_layer_options, check_tensor
 from .experts import PreparedExperts, prepare_experts
 from .layer import fused_moe
@@ -51,6 +51,10 @@ class MoELayer(nn.Module):
     experts: a PreparedExperts holding this rank's share (default: zeros, for load_state_dict).
     device: where the buffers live (default: the experts', else torch's default device).
     """
+
+    # State dict format: 2 since the prepared blocks' bit layout changed (layout.CODE_BITS); a
+    # version 1 state dict's blocks are rewritten on load (_migrate_v1_blocks).
+    _version = 2
 
     def __init__(self, num_experts, hidden_size, intermediate_size, top_k, router="softmax", activation="silu", *,
                  swiglu_limit=None, swiglu_alpha=1.702, routed_scaling_factor=1.0, renormalize=True,
@@ -101,6 +105,7 @@ class MoELayer(nn.Module):
         if router is not None:
             # Route one zero token: select_experts' checks of top_k, groups and scoring, once.
             self.route(torch.zeros(1, hidden_size, device=device))
+        self.register_load_state_dict_pre_hook(MoELayer._migrate_v1_blocks)
         self.register_load_state_dict_pre_hook(MoELayer._load_checkpoint_names)
         self.register_load_state_dict_post_hook(MoELayer._reload_experts)
 
@@ -184,6 +189,15 @@ class MoELayer(nn.Module):
         routing = {"router_weight": weights.router_weight, "router_bias": weights.router_bias,
                    "correction_bias": weights.correction_bias}
         return {name: t for name, t in routing.items() if t is not None}
+
+    def _migrate_v1_blocks(self, state_dict, prefix, local_metadata, *args):
+        """load_state_dict pre-hook: the prepared blocks of a version 1 state dict (saved before
+        the bit layout changed) in today's layout, so that they do not load as other weights."""
+        if local_metadata.get("version", MoELayer._version) >= 2:
+            return
+        for name in ("w13_blocks", "w2_blocks"):
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = layout.migrate_blocks_v1(state_dict[prefix + name])
 
     def _load_checkpoint_names(self, state_dict, prefix, *args):
         """load_state_dict pre-hook: a layer under checkpoint names becomes this layer's entries."""

@@ -82,8 +82,8 @@ def _convert(q):
     """Python twin of mc_e2m1x8_to_bf16: word -> 8 bf16 bit patterns (v0..v7), each the e2m1 value
     times 2^-126."""
     mask = 0x81C081C0
-    regs = [q & mask, (q << 3) & mask, (q << 6) & mask,
-            ((q >> 7) & 0x00400040) | ((q >> 3) & 0x01800180) | ((q << 1) & 0x80008000)]
+    rotl10 = ((q << 10) | (q >> 22)) & 0xFFFFFFFF
+    regs = [q & mask, ((q << 4) & 0x81808180) | ((q >> 4) & 0x00400040), (q << 6) & mask, rotl10 & mask]
     out = []
     for r in regs:
         out += [r & 0xFFFF, (r >> 16) & 0xFFFF]
@@ -108,12 +108,20 @@ def _scale_slow(s):
 
 
 def _word(codes):
-    """The prepared word holding codes[v] for v = 0..7 (layout.BIT_POS)."""
+    """The prepared word holding codes[v] for v = 0..7 (layout.CODE_BITS)."""
+    return _word_at(codes, layout.CODE_BITS)
+
+
+def _word_at(codes, positions):
     q = 0
     for v, c in enumerate(codes):
-        for i, pos in enumerate(layout.BIT_POS[v >> 1]):
-            q |= ((c >> (3 - i)) & 1) << (pos + 16 * (v & 1))
+        for i, pos in enumerate(positions[v]):
+            q |= ((c >> (3 - i)) & 1) << pos
     return q
+
+
+def test_code_bits_fill_the_word():
+    assert sorted(p for bits in layout.CODE_BITS for p in bits) == list(range(32))
 
 
 def test_converter_all_codes():
@@ -183,3 +191,25 @@ def test_kernel_read_emulation():
                         k = ktile * TileK + kb * 16 + 2 * (t % 4) + (v & 1) + 8 * (v >> 2)
                         got[r, k] = vals[v] * (s1 if (v >> 1) & 1 else s0)
     assert torch.equal(got, ref)
+
+
+def v1_blocks(blocks):
+    """Prepared blocks rewritten into layout.BIT_POS_V1's bit positions (what version 1 wrote)."""
+    v1 = [tuple(p + 16 * (v & 1) for p in layout.BIT_POS_V1[v >> 1]) for v in range(8)]
+    words = blocks.reshape(-1, 4).long()
+    out = []
+    for b0, b1, b2, b3 in words.tolist():
+        q = b0 | b1 << 8 | b2 << 16 | b3 << 24
+        codes = [sum(((q >> p) & 1) << (3 - i) for i, p in enumerate(layout.CODE_BITS[v])) for v in range(8)]
+        w = _word_at(codes, v1)
+        out += [(w >> (8 * b)) & 0xFF for b in range(4)]
+    return torch.tensor(out, dtype=torch.uint8).view(blocks.shape)
+
+
+def test_migrate_blocks_v1():
+    """Version 1's bit layout -> today's, exactly, for random codes of two experts."""
+    blocks, scales, _ = _random(2, 64, 128, seed=5, bias=False)
+    p = layout.prepare_w2(blocks, scales)
+    old = v1_blocks(p["blocks"])
+    assert not torch.equal(old, p["blocks"])
+    assert torch.equal(layout.migrate_blocks_v1(old), p["blocks"])

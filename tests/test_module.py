@@ -6,6 +6,7 @@ import torch
 import moe_cutlass as mc
 from moe_layers import (dense_moe, gpt_oss_hf_tensors, gpt_oss_original_tensors, per_expert_tensors, random_layer,
                         relative_error)
+from test_layout import v1_blocks
 
 E, H, I, K = 8, 64, 96, 2
 GPT_OSS = dict(router="topk_softmax", router_bias=True, activation="swiglu_oai", swiglu_limit=7.0, expert_bias=True)
@@ -88,6 +89,23 @@ def test_state_dict_round_trip_and_missing_key():
     del state["w2_scales"]
     with pytest.raises(RuntimeError, match="w2_scales"):
         copy.load_state_dict(state)
+
+
+def test_version_1_state_dict_blocks_are_migrated():
+    """A state dict saved before the blocks' bit layout changed (module version 1) loads as the
+    same weights; without its version it would load as other weights."""
+    raw = random_layer(E, H, I, seed=9)
+    layer = loaded(raw, **GPT_OSS)
+    state = layer.state_dict()
+    for name in ("w13_blocks", "w2_blocks"):
+        state[name] = v1_blocks(state[name])
+    x = hidden(10)
+    copy = mc.MoELayer(E, H, I, K, **GPT_OSS)
+    copy.load_state_dict(state)
+    assert not torch.equal(copy(x), layer(x))
+    state._metadata[""]["version"] = 1
+    copy.load_state_dict(state)
+    assert torch.equal(copy(x), layer(x))
 
 
 @pytest.mark.parametrize("names", [gpt_oss_hf_tensors, gpt_oss_original_tensors])

@@ -72,6 +72,19 @@ def test_time_per_call_that_grows_fails_and_one_slow_window_does_not():
     assert judge(windows([30.0] * 10 + [90.0] + [30.0] * 4))[1] == []
 
 
+def test_runs_of_slow_windows_pass_and_a_cost_that_grows_per_call_fails():
+    """The machine's other load comes in runs of slow windows (a run may end the soak); a cost that
+    grows with the calls raises every window, the fastest of the last quarter too."""
+    regimes = [39.0 + (n % 3) * 0.5 for n in range(100)]
+    for start, stop in ((15, 43), (61, 73), (89, 100)):
+        regimes[start:stop] = [52.0 + (n % 7) for n in range(stop - start)]
+    summary, failures = judge(windows(regimes))
+    assert failures == [] and summary["us_per_call"]["growth"] < 1.02
+    growing = [39.0 + 0.12 * n for n in range(100)]   # +0.3% of the first a window
+    _, failures = judge(windows(growing))
+    assert len(failures) == 1 and "fastest of the last 24" in failures[0]
+
+
 def test_a_run_of_one_window_judges_it_against_itself():
     summary, failures = judge(windows([30.0]))
     assert failures == [] and summary["warmup_windows"] == 0 and summary["us_per_call"]["growth"] == 1.0

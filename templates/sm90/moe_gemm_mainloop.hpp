@@ -22,8 +22,9 @@
 //     TMA with the A/B tiles of the same stage. Every k-block picks its own 32-group scale.
 //  3. Conversion: custom e2m1 -> bf16 by bit placement: the offline layout puts each code's bits
 //     where a mask (after a shift) turns them into the bf16 of value * 2^-126, and ONE bf16x2
-//     multiply by 2^(s-1) applies the E8M0 scale and fixes the exponent bias (6 LOP3 + 5 shifts +
-//     4 HMUL2 per 8 weights; the prmt look-up converter before it took 12-17 ALU instructions).
+//     multiply by 2^(s-1) applies the E8M0 scale and fixes the exponent bias (5 LOP3 + 2 SHF +
+//     2 IMAD.SHL + 4 HMUL2 per 8 weights, mxfp4_math.cuh says why and NOTES.md 2026-12-02 (26) what
+//     it measured; the TensorRT-LLM layout before it took 6 + 2 + 3 + 4, the prmt look-up 12-17 ALU).
 //     Exact for scale bytes <= 128; a weight tensor holding a larger byte (known offline:
 //     layout.py's scale_max) runs the whole call on a two-multiply path (2^126, then 2^(s-127))
 //     that is exact for every byte, 255 giving NaN. No per-byte scale tests in the loop. Upstream

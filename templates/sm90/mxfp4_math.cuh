@@ -12,23 +12,28 @@ namespace moe_cutlass {
 
 // ---------------------------------------------------------------------------------------------
 // e2m1 -> bf16 converter.
-// Input word layout (produced offline by layout.py, BIT_POS there): the 8 values v = 0..7 of one
-// k-block (RS fragment order); value v lives in 16-bit lane v & 1, and the values converted into
-// output register j have their (sign, e1, e0, m) bits at lane bits j0: 15,8,7,6; j1: 12,5,4,3;
-// j2: 9,2,1,0; j3: 14,11,10,13. Masking (after a shift) lands sign on bf16 bit 15, e1 e0 on
-// exponent bits 8..7 and m on mantissa bit 6, which is exactly the bf16 of the e2m1 value times
-// 2^-126 (code 0.5 becomes the subnormal 2^-127). One bf16x2 multiply by 2^(s-1) then applies
-// the E8M0 scale and the bias fix together (mc_scale_fast); all exact, and bf16 multiplies and
-// WGMMA keep subnormals (KERNEL_NOTES H.1). 6 LOP3 + 5 shifts per 8 weights, against 12-17 ALU
-// instructions for the prmt look-up tables this replaced.
+// Input word layout (produced offline by layout.py, CODE_BITS there): the 8 values v = 0..7 of one
+// k-block (RS fragment order); output register j holds (v2j, v2j+1) in its low and high 16-bit
+// lanes, and the (sign, e1, e0, m) bits of each value sit where that register's shifts and masks
+// move them to bf16 bits 15, 8, 7, 6 of its lane: the bf16 of the e2m1 value times 2^-126 (code
+// 0.5 becomes the subnormal 2^-127). One bf16x2 multiply by 2^(s-1) then applies the E8M0 scale
+// and the bias fix together (mc_scale_fast); all exact, and bf16 multiplies and WGMMA keep
+// subnormals (KERNEL_NOTES H.1).
+// Why this layout (2026-12-02): 5 LOP3 + 2 SHF (the ALU pipe, half rate) + 2 IMAD.SHL per 8
+// weights, against 6 + 2 + 3 for the TensorRT-LLM layout used before (one mask per register after
+// shifts by 0, 3, 6, and three pieces for the fourth). A search over every assignment of the 32
+// input bits to the four registers' 8 positions (at most 5 masked pieces) finds no layout with
+// fewer ALU-pipe instructions: no 4 shifts or rotations of the mask tile the word, so one register
+// takes two pieces; the rotation (SHF.L.W) lets register 3 take its bits from both ends of the word.
+// Measured: benchmarks/NOTES.md, 2026-12-02 (26).
 // Output: 4 bf16x2 registers (v0,v1) (v2,v3) (v4,v5) (v6,v7), each times 2^-126.
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void mc_e2m1x8_to_bf16(uint32_t q, uint32_t (&out)[4]) {
   constexpr uint32_t kMask = 0x81C081C0u;   // sign, exponent bits 1..0, mantissa bit 6, per lane
   out[0] = q & kMask;
-  out[1] = (q << 3) & kMask;
+  out[1] = ((q << 4) & 0x81808180u) | ((q >> 4) & 0x00400040u);
   out[2] = (q << 6) & kMask;
-  out[3] = ((q >> 7) & 0x00400040u) | ((q >> 3) & 0x01800180u) | ((q << 1) & 0x80008000u);
+  out[3] = __funnelshift_l(q, q, 10) & kMask;   // rotate left by 10
 }
 
 // Scale bytes s <= 128 (layout.FAST_SCALE_MAX): bf16x2 of 2^(s-1) in both halves, bits (s+126) << 7,
