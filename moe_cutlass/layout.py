@@ -96,30 +96,31 @@ def _rows_w13(I: int, gate_up: str, device) -> torch.Tensor:
 
 
 def _code_bits(device) -> torch.Tensor:
-    """int64 [8, 16]: value v's code c -> its bits in the word."""
-    return torch.tensor([[sum(((c >> (3 - i)) & 1) << pos for i, pos in enumerate(CODE_BITS[v])) for c in range(16)]
-                         for v in range(8)], dtype=torch.int64, device=device)
+    """int32 [8, 16]: value v's code c -> its bits in the word (two's complement where bit 31 is set)."""
+    bits = [[sum(((c >> (3 - i)) & 1) << pos for i, pos in enumerate(CODE_BITS[v])) for c in range(16)]
+            for v in range(8)]
+    return torch.tensor([[b - (1 << 32) if b >> 31 else b for b in row] for row in bits], dtype=torch.int32,
+                        device=device)
 
 
 def _swizzle_codes(codes: torch.Tensor) -> torch.Tensor:
-    """codes uint8 [E, Npad, Kp] (logical, padded) -> prepared blocks uint8 [E, Npad/64, Kp/64, 2048]."""
+    """codes uint8 [E, Npad, Kp] (logical, padded) -> prepared blocks uint8 [E, Npad/64, Kp/64, 2048].
+    Works in int32 words (little endian, as the kernel reads them): a few bytes per code at a time."""
     E, Np, Kp = codes.shape
     S, U = Np // UNIT_M, Kp // UNIT_K
     idx = _unit_index(codes.device)
     units = codes.view(E, S, UNIT_M, U, UNIT_K).permute(0, 1, 3, 2, 4).reshape(E, S, U, UNIT_M * UNIT_K)
-    g = units.index_select(3, idx).view(E, S, U, 128, 4, 8).long()     # (t, kb, value v)
+    g = units.index_select(3, idx).view(E, S, U, 128, 4, 8)             # (t, kb, value v)
     table = _code_bits(codes.device)
-    words = table[0][g[..., 0]]
+    words = table[0][g[..., 0].int()]
     for v in range(1, 8):
-        words |= table[v][g[..., v]]
-    data = torch.stack([(words >> (8 * b)) & 0xFF for b in range(4)], dim=-1)   # little endian
-    return data.to(torch.uint8).reshape(E, S, U, 2048)                   # unit offset o = 16 t + 4 kb + byte
+        words |= table[v][g[..., v].int()]
+    return words.view(torch.uint8).reshape(E, S, U, 2048)               # unit offset o = 16 t + 4 kb + byte
 
 
 def _words(blocks: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 4n] -> int64 [..., n]: the little-endian 32-bit words."""
-    data = blocks.reshape(*blocks.shape[:-1], -1, 4).long()
-    return data[..., 0] | (data[..., 1] << 8) | (data[..., 2] << 16) | (data[..., 3] << 24)
+    """uint8 [..., 4n] -> int32 [..., n]: the little-endian 32-bit words."""
+    return blocks.contiguous().view(torch.int32)
 
 
 def _unswizzle_codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -127,9 +128,9 @@ def _unswizzle_codes(blocks: torch.Tensor) -> torch.Tensor:
     E, S, U, _ = blocks.shape
     Np, Kp = S * UNIT_M, U * UNIT_K
     words = _words(blocks).view(E, S, U, 128, 4)                        # (t, kb)
-    g = torch.stack([sum(((words >> pos) & 1) << (3 - i) for i, pos in enumerate(CODE_BITS[v])) for v in range(8)],
-                    dim=-1)                                              # (t, kb, v)
-    g = g.to(torch.uint8).reshape(E, S, U, UNIT_M * UNIT_K)
+    g = torch.stack([sum(((words >> pos) & 1) << (3 - i) for i, pos in enumerate(CODE_BITS[v])).to(torch.uint8)
+                     for v in range(8)], dim=-1)                         # (t, kb, v)
+    g = g.reshape(E, S, U, UNIT_M * UNIT_K)
     units = torch.empty_like(g)
     units[..., _unit_index(blocks.device)] = g
     return units.view(E, S, U, UNIT_M, UNIT_K).permute(0, 1, 3, 2, 4).reshape(E, Np, Kp)
@@ -141,10 +142,10 @@ def migrate_blocks_v1(blocks: torch.Tensor) -> torch.Tensor:
     moves = [(BIT_POS_V1[v >> 1][i] + 16 * (v & 1), CODE_BITS[v][i]) for v in range(8) for i in range(4)]
     out = torch.empty_like(blocks)
     for e0, e1 in _chunks(len(blocks), blocks[0].numel() if len(blocks) else 1):
-        words = _words(blocks[e0:e1])
+        words = _words(blocks[e0:e1]).long() & 0xFFFFFFFF
         moved = sum(((words >> old) & 1) << new for old, new in moves)
-        data = torch.stack([(moved >> (8 * b)) & 0xFF for b in range(4)], dim=-1)
-        out[e0:e1] = data.to(torch.uint8).view(out[e0:e1].shape)
+        moved -= (moved >> 31) << 32                                       # two's complement int32
+        out[e0:e1] = moved.to(torch.int32).view(torch.uint8).view(out[e0:e1].shape)
     return out
 
 
