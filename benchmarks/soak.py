@@ -21,15 +21,18 @@ WARMUP_WINDOWS windows (the allocator and the launch caches settle):
 - torch.cuda.memory_allocated grows by more than ALLOCATED_SLACK, or memory_reserved by more than
   RESERVED_SLACK (one large-pool segment of the caching allocator), over their values at the end of
   warm-up: the loop keeps nothing from one call to the next, so growth is a leak;
-- the fastest window of the last quarter (at least TIME_WINDOWS windows) takes more time per call
-  than the fastest of the first quarter by more than --max-time-growth (1.2: 20%): a cost that
-  grows with the number of calls (a cache that stops hitting, a list that grows) raises every
-  window, the fastest too. The machine's other load only adds time, in runs: on the H200 machines
-  the windows switch between about 39 us and 45-70 us per call for 10-30 windows at a time, so a
-  median of the last five windows (the check before 2026-12-02) failed whenever the run ended in
-  a slow stretch (raw/soak_20261202T080854Z_time_growth_check_failed.json), and passed runs that
-  began in one. Each window also records the process's CPU time per call: load from elsewhere
-  shows in the wall time alone.
+- the time per call relative to the host's own speed grows by more than --max-time-growth (1.2:
+  20%) from the first quarter of the windows (at least TIME_WINDOWS) to the last, comparing each
+  quarter's fastest window: a cost that grows with the number of calls (a cache that stops
+  hitting, a list that grows) raises every window, the fastest too. The host's speed is timed
+  after every window by HOST_PROBE_LAUNCHES launches of a one-element torch add (Python, torch's
+  dispatch and a kernel launch, as a call is). On the H200 machines the windows switch between
+  about 39 us and 45-70 us per call for 10-35 windows at a time, in and out, with the process's
+  CPU time equal to its wall time: a median of the last five windows (the check before
+  2026-12-02) failed whenever a run ended in a slow stretch
+  (raw/soak_20261202T080854Z_time_growth_check_failed.json), and the fastest window of the last
+  quarter without the host probe failed when the last 35 windows were slow
+  (raw/soak_20261202T094758Z_time_growth_check_failed.json).
 At these sizes a call is host-bound (about 30 us of host time on the H200 machines), so 10^5 calls
 take seconds. Writes a "soak" record (benchmarks/record.py).
 """
@@ -57,6 +60,7 @@ EAGER_MODES = tuple(m for m in range(len(MODES)) if m not in GRAPH_MODES)
 BASE_TOKENS = (1, 2, 3, 7, 16, 64, 200, 1000, 2048, 4200)  # decode, odd and prefill sizes; 4200 is the largest M
 WARMUP_WINDOWS = 1
 TIME_WINDOWS = 5
+HOST_PROBE_LAUNCHES = 200
 MAX_TIME_GROWTH = 1.2
 ALLOCATED_SLACK = 2 << 20  # a leaked tensor per call is >= 512 bytes: 10^5 of them are 51 MB
 RESERVED_SLACK = 20 << 20  # the caching allocator's large segment (kLargeBuffer)
@@ -108,17 +112,30 @@ def judge(windows, max_time_growth=MAX_TIME_GROWTH):
     baseline, steady = windows[max(warmup - 1, 0)], windows[warmup:]
     us = [w["us_per_call"] for w in windows]
     span = max(TIME_WINDOWS, len(steady) // 4)
-    first = min(w["us_per_call"] for w in steady[:span])
-    last = min(w["us_per_call"] for w in steady[-span:])
+
+    def fastest(series, key):
+        return min(w[key] for w in series[:span]), min(w[key] for w in series[-span:])
+
+    first, last = fastest(steady, "us_per_call")
     summary = {"windows": len(windows), "warmup_windows": warmup,
-               "us_per_call": {"first": first, "last": last, "growth": last / first, "allowed": max_time_growth,
+               "us_per_call": {"first": first, "last": last, "growth": last / first,
                                "statistic": f"fastest of the first and of the last {span} windows after warm-up",
                                "min": min(us), "max": max(us), "median": statistics.median(us)}}
+    judged, what = summary["us_per_call"], "time per call (us)"
+    if all("host_probe_us" in w for w in steady):
+        relative = [{"ratio": w["us_per_call"] / w["host_probe_us"]} for w in steady]
+        first, last = fastest(relative, "ratio")
+        probe_first, probe_last = fastest(steady, "host_probe_us")
+        summary["relative_to_host_probe"] = judged = {
+            "first": first, "last": last, "growth": last / first,
+            "host_probe_us": {"first": probe_first, "last": probe_last, "growth": probe_last / probe_first}}
+        what = "time per call over the host probe's launch time"
+    judged["allowed"] = max_time_growth
     failures = []
-    if last > first * max_time_growth:
-        failures.append(f"time per call grew from {first:.1f} us (fastest of the first {span} windows after "
-                        f"warm-up) to {last:.1f} us (fastest of the last {span}): x{last / first:.2f}, "
-                        f"allowed x{max_time_growth}")
+    if judged["last"] > judged["first"] * max_time_growth:
+        failures.append(f"{what} grew from {judged['first']:.2f} (fastest of the first {span} windows after "
+                        f"warm-up) to {judged['last']:.2f} (fastest of the last {span}): "
+                        f"x{judged['last'] / judged['first']:.2f}, allowed x{max_time_growth}")
     for key, slack in (("allocated", ALLOCATED_SLACK), ("reserved", RESERVED_SLACK)):
         values = [w[key] for w in windows]
         growth = max(w[key] for w in steady) - baseline[key]
@@ -220,21 +237,26 @@ def soak(entries, schedule, window, log=print):
     """Run the schedule; returns (windows, failures, checked modes, worst relative error)."""
     calls = [call for entry in entries for call in entry.calls]
     windows, failures, checked, worst = [], [], Counter(), 0.0
+    probe = torch.zeros(1, device=entries[0].first.device)   # where the calls run
     for start in range(0, len(schedule), window):
         chunk = schedule[start:start + window]
-        began, cpu_began = time.perf_counter(), time.process_time()
+        began = time.perf_counter()
         for index in chunk:
             out = calls[index]()
         torch.cuda.synchronize()
         us_per_call = (time.perf_counter() - began) / len(chunk) * 1e6
-        cpu_us_per_call = (time.process_time() - cpu_began) / len(chunk) * 1e6
+        began = time.perf_counter()
+        for _ in range(HOST_PROBE_LAUNCHES):
+            probe.add_(1)
+        torch.cuda.synchronize()
+        host_probe_us = (time.perf_counter() - began) / HOST_PROBE_LAUNCHES * 1e6
         entry, mode = divmod(chunk[-1], len(MODES))
         found, err = entries[entry].check(out)
         del out  # before reading the memory: an "eager" output is the only tensor a call leaves
         worst = max(worst, err)
         checked[MODES[mode]] += 1
         failures += [f"call {start + len(chunk) - 1} ({MODES[mode]}): {f}" for f in found]
-        windows.append({"us_per_call": round(us_per_call, 3), "cpu_us_per_call": round(cpu_us_per_call, 3),
+        windows.append({"us_per_call": round(us_per_call, 3), "host_probe_us": round(host_probe_us, 3),
                         "allocated": torch.cuda.memory_allocated(),
                         "reserved": torch.cuda.memory_reserved(),
                         "host_max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
@@ -264,9 +286,10 @@ def run(args, log=print):
     mc.free_workspaces()  # the side and capture streams' cached workspaces would outlive their streams
     for failure in failures:
         log(f"FAIL {failure}")
-    us = summary["us_per_call"]
+    us, rel = summary["us_per_call"], summary["relative_to_host_probe"]
     log(f"{args.calls} calls, {sum(checked.values())} checked, {len(failures)} failed, worst relerr "
-        f"{max(worst, soak_worst):.3e}; {us['first']:.1f} -> {us['last']:.1f} us/call; allocated growth "
+        f"{max(worst, soak_worst):.3e}; {us['first']:.1f} -> {us['last']:.1f} us/call (x{rel['growth']:.2f} over the "
+        f"host probe, whose launch took {rel['host_probe_us']['first']:.2f} -> {rel['host_probe_us']['last']:.2f} us); allocated growth "
         f"{summary['allocated']['growth']} bytes, reserved growth {summary['reserved']['growth']} bytes")
     payload = {
         "calls": args.calls, "window": args.window, "seed": args.seed, "modes": list(MODES),

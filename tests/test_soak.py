@@ -85,6 +85,20 @@ def test_runs_of_slow_windows_pass_and_a_cost_that_grows_per_call_fails():
     assert len(failures) == 1 and "fastest of the last 24" in failures[0]
 
 
+def test_with_the_host_probe_a_slow_host_passes_and_a_slow_call_fails():
+    """Windows that are slow because the host is (its probe launches slow too) pass, however long
+    the slow stretch; a call that grows against an unchanged probe fails."""
+    us = [39.0] * 60 + [48.0] * 40
+    slow_host = [dict(w, host_probe_us=4.0 * t / 39.0) for w, t in zip(windows(us), us)]
+    summary, failures = judge(slow_host)
+    assert failures == [] and summary["us_per_call"]["growth"] > 1.2
+    assert abs(summary["relative_to_host_probe"]["growth"] - 1.0) < 1e-9
+    slow_call = [dict(w, host_probe_us=4.0) for w in windows(us)]
+    summary, failures = judge(slow_call)
+    assert len(failures) == 1 and "over the host probe's launch time grew" in failures[0]
+    assert summary["relative_to_host_probe"]["host_probe_us"]["growth"] == 1.0
+
+
 def test_a_run_of_one_window_judges_it_against_itself():
     summary, failures = judge(windows([30.0]))
     assert failures == [] and summary["warmup_windows"] == 0 and summary["us_per_call"]["growth"] == 1.0
