@@ -35,9 +35,6 @@ original row j ("concat") or 2j ("interleaved"); up row j is I + j or 2j + 1.
 K padding: the kernel reads the weights over Kp and the activations over the real K; the TMA
 zero-fills activation columns [K, Kp), so the padding never reads past a token row.
 """
-
-import functools
-
 import torch
 
 ROW_PAD = 128   # weight rows: a multiple of every TileM (64, 128)
