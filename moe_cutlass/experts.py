@@ -66,20 +66,20 @@ class PreparedExperts:
             part, key = name.split("_", 1)
             parts[part][key] = t
         for part, d in parts.items():
-            d["scale_max"] = layout.scale_max(d["scales"]) if like is None else getattr(like, part)["scale_max"]
+            d["scale_max"] = layout.prepared_scale_max(d["scales"]) if like is None else getattr(like, part)["scale_max"]
         return cls(num_experts, hidden_size, intermediate_size, parts["w13"], parts["w2"])
 
     @classmethod
     def zeros(cls, num_experts, hidden_size, intermediate_size, bias=False, device=None) -> "PreparedExperts":
         """Experts whose weights (and biases) are all zero: a layer's buffers before it loads weights."""
         E, H, I = num_experts, hidden_size, intermediate_size
-        # Zero codes and scale bytes stay zero bytes in any arrangement: only the shapes matter,
-        # and one expert gives them.
+        # Every expert is the same: one prepared expert, repeated (zero scale bytes are not zero
+        # bytes once prepared, layout.SCALE_BIAS).
         one = prepare_experts(
             torch.zeros(1, 2 * I, H // 2, dtype=torch.uint8), torch.zeros(1, 2 * I, H // 32, dtype=torch.uint8),
             torch.zeros(1, H, I // 2, dtype=torch.uint8), torch.zeros(1, H, I // 32, dtype=torch.uint8),
             w13_bias=torch.zeros(1, 2 * I) if bias else None, w2_bias=torch.zeros(1, H) if bias else None)
-        return cls.from_tensors(E, H, I, {name: torch.zeros(E, *t.shape[1:], dtype=t.dtype, device=device)
+        return cls.from_tensors(E, H, I, {name: t.to(device).expand(E, *t.shape[1:]).contiguous()
                                           for name, t in one.tensors().items()})
 
     def dequantized(self):

@@ -18,8 +18,14 @@ Prepared tensors (dict values; the expert is dim 0 of every tensor):
   and masks per output register plus one multiply (templates/sm90/mxfp4_math.cuh,
   mc_e2m1x8_to_bf16). State dicts of MoELayer before version 2 hold BIT_POS_V1's layout
   (`migrate_blocks_v1` rewrites them).
-- ``scales``: uint8 [E, Kp/32, Npad], E8M0 bytes, N contiguous (the TMA box is (TileM, TileK/32));
-  padding holds 0 (with zero codes, contributes exactly 0).
+- ``scales``: uint8 [E, Npad/64, Kp/64, 128]: per unit (as ``blocks``) 32 little-endian 32-bit words,
+  word p for the rows r = 16 (p // 8) + p % 8 and r + 8 of the slab (thread t's rows read word t // 4),
+  holding the unit's two 32-K groups' E8M0 bytes s as t = (s + SCALE_BIAS) mod 256, the bf16
+  exponent field of 2^(s-1): group 2u's at bits 7..14 (row r) and 23..30 (row r + 8), group 2u+1's
+  at the same bits after a rotation left by 8 (templates/sm90/mxfp4_math.cuh, mc_scale_pairs: one
+  load and three instructions give a thread its four multipliers of a unit). Padding holds s = 0
+  (with zero codes, contributes exactly 0). State dicts of MoELayer before version 3 hold the byte
+  layout [E, Kp/32, Npad] (`migrate_scales_v2` rewrites them).
 - ``bias`` (only when a bias is given): float32 [E, Npad], zero padded.
 - ``scale_max``: int, the largest scale byte of the tensor. The kernels' one-multiply conversion
   is exact for scale bytes <= FAST_SCALE_MAX; a tensor holding a larger byte (a block scale
@@ -54,6 +60,7 @@ CODE_BITS = ((15, 8, 7, 6), (31, 24, 23, 22), (11, 4, 3, 10), (27, 20, 19, 26),
 # value v's bits, by register j = v >> 1.
 BIT_POS_V1 = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 11, 10, 13))
 FAST_SCALE_MAX = 128   # 2^(s-1) must be a normal bf16: the bias-fixing multiply folds in the scale
+SCALE_BIAS = 126       # stored scale field t = s + 126: 2^(s-1)'s bf16 exponent field
 
 
 def round_up(x: int, m: int) -> int:
@@ -146,10 +153,59 @@ def migrate_blocks_v1(blocks: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _pair_rows(device) -> torch.Tensor:
+    """int64 [32]: word p of a unit's scales -> its first row r in the slab (the other is r + 8)."""
+    p = torch.arange(32, device=device)
+    return 16 * (p // 8) + p % 8
+
+
+def _rotl32(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Rotation of int64 values holding 32-bit words."""
+    return ((x << n) | (x >> (32 - n))) & 0xFFFFFFFF
+
+
+def _swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes uint8 [E, Npad, Kp/32] (logical, padded) -> prepared scales uint8 [E, Npad/64, Kp/64, 128]."""
+    E, Np, G = scales.shape
+    S, U = Np // UNIT_M, G // 2
+    t = (scales.long() + SCALE_BIAS) & 0xFF
+    t = t.view(E, S, UNIT_M, U, 2).permute(0, 1, 3, 2, 4)                 # (E, S, U, row, group of the unit)
+    r = _pair_rows(scales.device)
+    lo, hi = t.index_select(3, r), t.index_select(3, r + 8)               # (E, S, U, 32, 2)
+    fields = (lo << 7) | (hi << 23)
+    words = fields[..., 0] | _rotl32(fields[..., 1], 24)                  # group 2u+1: rotated right by 8
+    words -= (words >> 31) << 32                                          # two's complement int32
+    return words.to(torch.int32).view(torch.uint8).reshape(E, S, U, 128)
+
+
+def _unswizzle_scales(prepared: torch.Tensor) -> torch.Tensor:
+    """Exact inverse of _swizzle_scales."""
+    E, S, U, _ = prepared.shape
+    words = _words(prepared).long() & 0xFFFFFFFF                          # (E, S, U, 32)
+    out = torch.empty(E, S, U, UNIT_M, 2, dtype=torch.uint8, device=prepared.device)
+    r = _pair_rows(prepared.device)
+    for g, pair in enumerate((words, _rotl32(words, 8))):
+        for rows, shift in ((r, 7), (r + 8, 23)):
+            out[:, :, :, rows, g] = (((pair >> shift) - SCALE_BIAS) & 0xFF).to(torch.uint8)
+    return out.permute(0, 1, 3, 2, 4).reshape(E, S * UNIT_M, U * 2)
+
+
+def migrate_scales_v2(scales: torch.Tensor) -> torch.Tensor:
+    """Prepared scales in the byte layout [E, Kp/32, Npad] (MoELayer state dicts before version 3)
+    -> the same scales in today's word layout."""
+    return _swizzle_scales(scales.transpose(1, 2))
+
+
 def scale_max(scales: torch.Tensor) -> int:
-    """A prepared dict's ``scale_max`` from its scales (original or prepared: padding is 0).
-    Reads the tensor back to the host."""
+    """A prepared dict's ``scale_max`` from the original scales [..., K/32]. Reads the tensor back to the host."""
     return int(scales.max()) if scales.numel() else 0
+
+
+def prepared_scale_max(scales: torch.Tensor) -> int:
+    """``scale_max`` from prepared scales (padding holds 0). Reads the tensor back to the host."""
+    if not scales.numel():
+        return 0
+    return max(int(_unswizzle_scales(scales[e0:e1]).max()) for e0, e1 in _chunks(len(scales), scales[0].numel() * 8))
 
 
 def _chunks(E: int, per_expert: int, limit: int = 1 << 26):
@@ -173,7 +229,7 @@ def _prepare(blocks, scales, bias, rows, device=None):
     Np, Kp = round_up(N, ROW_PAD), round_up(K, K_PAD)
     dev = blocks.device if device is None else torch.device(device)
     out_blocks = torch.empty(E, Np // UNIT_M, Kp // UNIT_K, 2048, dtype=torch.uint8, device=dev)
-    out_scales = torch.zeros(E, Kp // 32, Np, dtype=torch.uint8, device=dev)
+    out_scales = torch.empty(E, Np // UNIT_M, Kp // UNIT_K, 128, dtype=torch.uint8, device=dev)
     out = {"blocks": out_blocks, "scales": out_scales, "scale_max": scale_max(scales)}
     if bias is not None:
         out["bias"] = torch.zeros(E, Np, dtype=torch.float32, device=dev)
@@ -184,7 +240,9 @@ def _prepare(blocks, scales, bias, rows, device=None):
         codes = torch.zeros(e1 - e0, Np, Kp, dtype=torch.uint8, device=dev)
         codes[:, :N, :K] = _unpack_codes(part[0])
         out_blocks[e0:e1] = _swizzle_codes(codes)
-        out_scales[e0:e1, : K // 32, :N] = part[1].transpose(1, 2)
+        byte = torch.zeros(e1 - e0, Np, Kp // 32, dtype=torch.uint8, device=dev)
+        byte[:, :N, : K // 32] = part[1]
+        out_scales[e0:e1] = _swizzle_scales(byte)
         if bias is not None:
             out["bias"][e0:e1, :N] = part[2].float()
     return out
@@ -193,7 +251,7 @@ def _prepare(blocks, scales, bias, rows, device=None):
 def prepared_shapes(E: int, N: int, K: int) -> dict:
     """Shapes of the prepared tensors of E experts' [N, K] weights, by dict key."""
     Np, Kp = round_up(N, ROW_PAD), round_up(K, K_PAD)
-    return {"blocks": (E, Np // UNIT_M, Kp // UNIT_K, 2048), "scales": (E, Kp // 32, Np), "bias": (E, Np)}
+    return {"blocks": (E, Np // UNIT_M, Kp // UNIT_K, 2048), "scales": (E, Np // UNIT_M, Kp // UNIT_K, 128), "bias": (E, Np)}
 
 
 def _unprepare(prepared, N, K, rows):
@@ -205,10 +263,11 @@ def _unprepare(prepared, N, K, rows):
         raise ValueError(f"prepared tensors do not match N={N}, K={K}: blocks {tuple(blocks.shape)}, "
                          f"scales {tuple(scales.shape)}")
     out_blocks = torch.empty(E, N, K // 2, dtype=torch.uint8, device=blocks.device)
+    out_scales = torch.empty(E, N, K // 32, dtype=torch.uint8, device=blocks.device)
     for e0, e1 in _chunks(E, Np * Kp):
         codes = _unswizzle_codes(blocks[e0:e1])
         out_blocks[e0:e1] = _pack_codes(codes[:, :N, :K].contiguous())
-    out_scales = scales[:, : K // 32, :N].transpose(1, 2).contiguous()
+        out_scales[e0:e1] = _unswizzle_scales(scales[e0:e1])[:, :N, : K // 32]
     bias = prepared.get("bias")
     bias = None if bias is None else bias[:, :N].float().contiguous()
     if rows is not None:

@@ -52,9 +52,10 @@ class MoELayer(nn.Module):
     device: where the buffers live (default: the experts', else torch's default device).
     """
 
-    # State dict format: 2 since the prepared blocks' bit layout changed (layout.CODE_BITS); a
-    # version 1 state dict's blocks are rewritten on load (_migrate_v1_blocks).
-    _version = 2
+    # State dict format: 2 since the prepared blocks' bit layout changed (layout.CODE_BITS), 3 since
+    # the prepared scales became words (layout.SCALE_BIAS); an older state dict's tensors are
+    # rewritten on load (_migrate_old_layouts).
+    _version = 3
 
     def __init__(self, num_experts, hidden_size, intermediate_size, top_k, router="softmax", activation="silu", *,
                  swiglu_limit=None, swiglu_alpha=1.702, routed_scaling_factor=1.0, renormalize=True,
@@ -105,7 +106,7 @@ class MoELayer(nn.Module):
         if router is not None:
             # Route one zero token: select_experts' checks of top_k, groups and scoring, once.
             self.route(torch.zeros(1, hidden_size, device=device))
-        self.register_load_state_dict_pre_hook(MoELayer._migrate_v1_blocks)
+        self.register_load_state_dict_pre_hook(MoELayer._migrate_old_layouts)
         self.register_load_state_dict_pre_hook(MoELayer._load_checkpoint_names)
         self.register_load_state_dict_post_hook(MoELayer._reload_experts)
 
@@ -190,14 +191,16 @@ class MoELayer(nn.Module):
                    "correction_bias": weights.correction_bias}
         return {name: t for name, t in routing.items() if t is not None}
 
-    def _migrate_v1_blocks(self, state_dict, prefix, local_metadata, *args):
-        """load_state_dict pre-hook: the prepared blocks of a version 1 state dict (saved before
-        the bit layout changed) in today's layout, so that they do not load as other weights."""
-        if local_metadata.get("version", MoELayer._version) >= 2:
-            return
-        for name in ("w13_blocks", "w2_blocks"):
-            if prefix + name in state_dict:
-                state_dict[prefix + name] = layout.migrate_blocks_v1(state_dict[prefix + name])
+    def _migrate_old_layouts(self, state_dict, prefix, local_metadata, *args):
+        """load_state_dict pre-hook: the prepared tensors of a state dict saved before a layout
+        changed (blocks' bits: version 1; scales' words: versions 1 and 2) in today's layouts, so that
+        they do not load as other weights."""
+        version = local_metadata.get("version", MoELayer._version)
+        migrations = (("blocks", 2, layout.migrate_blocks_v1), ("scales", 3, layout.migrate_scales_v2))
+        for key, since, migrate in migrations:
+            for name in (f"w13_{key}", f"w2_{key}"):
+                if version < since and prefix + name in state_dict:
+                    state_dict[prefix + name] = migrate(state_dict[prefix + name])
 
     def _load_checkpoint_names(self, state_dict, prefix, *args):
         """load_state_dict pre-hook: a layer under checkpoint names becomes this layer's entries."""

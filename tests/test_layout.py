@@ -31,7 +31,7 @@ def test_w13_round_trip(H, I, gate_up):
     p = layout.prepare_w13(blocks, scales, bias, gate_up)
     Np, Kp = layout.round_up(2 * I, 128), layout.round_up(H, 64)
     assert p["blocks"].shape == (3, Np // 64, Kp // 64, 2048) and p["blocks"].dtype == torch.uint8
-    assert p["scales"].shape == (3, Kp // 32, Np) and p["scales"].dtype == torch.uint8
+    assert p["scales"].shape == (3, Np // 64, Kp // 64, 128) and p["scales"].dtype == torch.uint8
     assert p["bias"].shape == (3, Np) and p["bias"].dtype == torch.float32
     b2, s2, bias2 = layout.unprepare_w13(p, H, I)
     if gate_up == "interleaved":   # unprepare returns concat order
@@ -100,11 +100,27 @@ def _mul_bf16(a_bits, b_bits):
 
 
 def _scale_fast(s):
-    return (s * 0x00800080 + 0x3F003F00) & 0xFFFF        # mc_scale_fast, one half
+    """The fast path's multiplier of byte s: its stored field (s + SCALE_BIAS) mod 256 on bf16 exponent bits."""
+    return ((s + layout.SCALE_BIAS) & 0xFF) << 7
 
 
 def _scale_slow(s):
     return 0x0040 if s == 0 else 0x7FC0 if s == 255 else s << 7
+
+
+def _scale_fields(word):
+    """Python twin of mc_scale_pairs: a scale word -> the four stored fields (group 2u row r, row r + 8,
+    group 2u+1 row r, row r + 8), each as the bf16 bits the fast path multiplies by."""
+    rot = ((word << 8) | (word >> 24)) & 0xFFFFFFFF
+    out = []
+    for pair in (word & 0x7F807F80, rot & 0x7F807F80):
+        out += [pair & 0xFFFF, pair >> 16]
+    return out
+
+
+def _slow_from_field(bits):
+    """mc_scale_pair_slow, one half: the stored field back to byte s, as 2^(s-127)."""
+    return _scale_slow(((bits >> 7) + 130) & 0xFF)
 
 
 def _word(codes):
@@ -160,16 +176,27 @@ def test_converter_scales_every_byte():
     assert _scale_fast(layout.FAST_SCALE_MAX + 1) == 0x7F80                   # 2^128: not a finite bf16
 
 
-def test_kernel_read_emulation():
-    """Read the prepared tensors the way the kernel does (thread addressing, words, scale rows)
-    and compare with the dequantized weights."""
-    E, N, K = 1, 128, 128
-    blocks, scales, _ = _random(E, N, K, seed=11, bias=False)
+def _u32(raw, base):
+    return raw[base] | raw[base + 1] << 8 | raw[base + 2] << 16 | raw[base + 3] << 24
+
+
+@pytest.mark.parametrize("top", [128, 254])
+def test_kernel_read_emulation(top):
+    """Read the prepared tensors the way the kernel does (thread addressing, words, scale words, the
+    fast path when every byte is <= FAST_SCALE_MAX, else the slow one) and compare with the
+    dequantized weights."""
+    E, N, K = 1, 128, 256
+    blocks, _, _ = _random(E, N, K, seed=11, bias=False)
+    scales = torch.randint(top - 40, top + 1, (E, N, K // 32), generator=torch.Generator().manual_seed(top),
+                           dtype=torch.uint8)
+    scales[0, 5, 1] = 0
     p = layout.prepare_w2(blocks, scales)
+    fast = p["scale_max"] <= layout.FAST_SCALE_MAX
+    assert fast == (top == 128)
     ref = _dequant(blocks, scales)[0]
     Kp = p["blocks"].shape[2] * 64
     raw = p["blocks"][0].reshape(-1).tolist()
-    sc = p["scales"][0]
+    sraw = p["scales"][0].reshape(-1).tolist()
     got = torch.zeros(N, K)
     TileK = 128
     for slab in range(N // 64):
@@ -181,16 +208,44 @@ def test_kernel_read_emulation():
                     # the tile's units lie contiguous: [slab][unit][2048 B], thread t at 16 t
                     unit = ktile * (TileK // 64) + u
                     base = (slab * (Kp // 64) + unit) * 2048 + 16 * t + 4 * w
-                    q = raw[base] | raw[base + 1] << 8 | raw[base + 2] << 16 | raw[base + 3] << 24
-                    vals = [_bf16(x).float().item() * 2.0 ** 126 for x in _convert(q)]
-                    g = (ktile * TileK + kb * 16) // 32
-                    s0 = 2.0 ** (int(sc[g, row0]) - 127)
-                    s1 = 2.0 ** (int(sc[g, row0 + 8]) - 127)
-                    for v in range(8):
+                    q = _u32(raw, base)
+                    # the unit's scale word of thread t's row pair: [slab][unit][128 B], word t // 4
+                    fields = _scale_fields(_u32(sraw, (slab * (Kp // 64) + unit) * 128 + 4 * (t // 4)))
+                    pair = fields[2 * (w // 2): 2 * (w // 2) + 2]                  # k-blocks 0, 1: group 2u
+                    for v, x in enumerate(_convert(q)):
+                        m = pair[(v >> 1) & 1]
+                        if fast:
+                            val = _mul_bf16(x, m)
+                        else:
+                            val = (_bf16(x).float() * 2.0 ** 126 * _bf16(_slow_from_field(m)).float()).to(torch.bfloat16)
                         r = row0 + 8 * ((v >> 1) & 1)
                         k = ktile * TileK + kb * 16 + 2 * (t % 4) + (v & 1) + 8 * (v >> 2)
-                        got[r, k] = vals[v] * (s1 if (v >> 1) & 1 else s0)
+                        got[r, k] = val.float().item()
     assert torch.equal(got, ref)
+
+
+def test_scale_words_every_byte():
+    """Every byte in every field of a scale word reads back as its fast-path multiplier (field) and
+    its slow-path byte, and the words round-trip; padding reads as byte 0."""
+    E, N, K = 1, 64, 128
+    s = torch.arange(N * K // 32, dtype=torch.int64).view(E, N, K // 32)
+    scales = ((s * 37 + 11) % 256).to(torch.uint8)                        # every byte once
+    p = layout.prepare_w2(torch.zeros(E, N, K // 2, dtype=torch.uint8), scales)
+    sraw = p["scales"][0].reshape(-1).tolist()
+    seen = set()
+    for slab in range(p["scales"].shape[1]):
+        for unit in range(p["scales"].shape[2]):
+            for word in range(32):
+                r = slab * 64 + 16 * (word // 8) + word % 8
+                fields = _scale_fields(_u32(sraw, ((slab * p["scales"].shape[2]) + unit) * 128 + 4 * word))
+                for i, f in enumerate(fields):
+                    row, g = r + 8 * (i % 2), 2 * unit + i // 2
+                    byte = int(scales[0, row, g]) if row < N else 0
+                    assert f == _scale_fast(byte)
+                    assert _slow_from_field(f) == _scale_slow(byte)
+                    seen.add(byte)
+    assert seen == set(range(256))
+    assert layout.prepared_scale_max(p["scales"]) == 255
 
 
 def v1_blocks(blocks):
@@ -204,6 +259,19 @@ def v1_blocks(blocks):
         w = _word_at(codes, v1)
         out += [(w >> (8 * b)) & 0xFF for b in range(4)]
     return torch.tensor(out, dtype=torch.uint8).view(blocks.shape)
+
+
+def v2_scales(scales):
+    """Prepared scales rewritten into the byte layout [E, Kp/32, Npad] (what versions 1 and 2 wrote)."""
+    return layout._unswizzle_scales(scales).transpose(1, 2).contiguous()
+
+
+def test_migrate_scales_v2():
+    blocks, scales, _ = _random(2, 96, 160, seed=6, bias=False)
+    p = layout.prepare_w2(blocks, scales)
+    old = v2_scales(p["scales"])
+    assert old.shape == (2, 192 // 32, 128) and torch.equal(old[:, :5, :96], scales.transpose(1, 2))
+    assert torch.equal(layout.migrate_scales_v2(old), p["scales"])
 
 
 def test_migrate_blocks_v1():

@@ -6,7 +6,7 @@ import torch
 import moe_cutlass as mc
 from moe_layers import (dense_moe, gpt_oss_hf_tensors, gpt_oss_original_tensors, per_expert_tensors, random_layer,
                         relative_error)
-from test_layout import v1_blocks
+from test_layout import v1_blocks, v2_scales
 
 E, H, I, K = 8, 64, 96, 2
 GPT_OSS = dict(router="topk_softmax", router_bias=True, activation="swiglu_oai", swiglu_limit=7.0, expert_bias=True)
@@ -91,21 +91,30 @@ def test_state_dict_round_trip_and_missing_key():
         copy.load_state_dict(state)
 
 
-def test_version_1_state_dict_blocks_are_migrated():
-    """A state dict saved before the blocks' bit layout changed (module version 1) loads as the
-    same weights; without its version it would load as other weights."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_old_state_dicts_are_migrated(version):
+    """A state dict saved before the blocks' bit layout changed (module version 1) or the scales'
+    (versions 1 and 2) loads as the same weights; without its version it would load as other weights
+    (or, for the scales' old shape, not at all)."""
     raw = random_layer(E, H, I, seed=9)
     layer = loaded(raw, **GPT_OSS)
     state = layer.state_dict()
-    for name in ("w13_blocks", "w2_blocks"):
-        state[name] = v1_blocks(state[name])
+    for part in ("w13", "w2"):
+        if version == 1:
+            state[f"{part}_blocks"] = v1_blocks(state[f"{part}_blocks"])
+        state[f"{part}_scales"] = v2_scales(state[f"{part}_scales"])
     x = hidden(10)
     copy = mc.MoELayer(E, H, I, K, **GPT_OSS)
-    copy.load_state_dict(state)
-    assert not torch.equal(copy(x), layer(x))
-    state._metadata[""]["version"] = 1
+    with pytest.raises(RuntimeError, match="w13_scales"):
+        copy.load_state_dict(state)
+    state._metadata[""]["version"] = version
     copy.load_state_dict(state)
     assert torch.equal(copy(x), layer(x))
+    if version == 1:
+        state = layer.state_dict()
+        state["w13_blocks"] = v1_blocks(state["w13_blocks"])
+        copy.load_state_dict(state)
+        assert not torch.equal(copy(x), layer(x))
 
 
 @pytest.mark.parametrize("names", [gpt_oss_hf_tensors, gpt_oss_original_tensors])

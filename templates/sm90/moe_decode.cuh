@@ -26,8 +26,8 @@
 //  4. A producer warp streams each work item's weights, scales and token rows into a shared-memory
 //     ring (item 8: 7 stages of K 512 or 4 of K 1024): weights with ONE 1-D bulk copy per stage (a
 //     64-row slab is contiguous over K in the prepared layout; no TMA descriptors, nothing encoded
-//     on the host), token rows with one bulk copy each, scales with 16-byte cp.async spread over
-//     the producer's lanes;
+//     on the host), token rows with one bulk copy each, scales (a slab's 128-byte scale-word
+//     blocks, contiguous over K too) with 16-byte cp.async spread over the producer's lanes;
 //     sixteen consumer warps convert and multiply. Work items are (expert, 64 weight rows, <= 8
 //     tokens), handed to CTAs as contiguous ranges so a CTA's items share experts; each item's K
 //     is split over four consumer warps and summed through shared memory in a fixed order.
@@ -104,7 +104,7 @@ constexpr int kRowPad = 128;          // layout.py: weight rows padded to 128, K
 constexpr int kKPad = 64;
 // The ring: Stages stages of ChunkUnits 64-K units each (codegen/configs.py builds one kernel per
 // ring; ops.fused_kernel picks one per call, item 8 of the header). Stage: A [unit][2 KB], scales
-// [group][64 B], B [token][K bf16 + 16 B pad]. The pad makes the B fragment loads conflict free
+// [unit][128 B], B [token][K bf16 + 16 B pad]. The pad makes the B fragment loads conflict free
 // (token n's row starts 4 banks after token n-1's).
 template <int ChunkUnits, int Stages>
 struct RingShape {
@@ -141,7 +141,7 @@ struct Args {
   float alpha, limit, routed_scaling_factor;
 };
 
-// One GEMM's geometry: weights [E][Npad/64][Kp/64][2 KB], scales [E][Kp/32][Npad].
+// One GEMM's geometry: weights [E][Npad/64][Kp/64][2 KB], scales [E][Npad/64][Kp/64][128 B].
 struct Gemm {
   const uint8_t* blocks;
   const uint8_t* scales;
@@ -410,7 +410,7 @@ __device__ void produce(const Args& a, const Gemm& G, Smem<R>& sm, Ring<R>& ring
       src_row = Kind == 1 ? a.hidden + int64_t(sm.r.row_slot[row] / a.top_k) * a.H : a.inter + int64_t(row) * a.I;
     }
     const uint8_t* wa = G.blocks + (int64_t(it.e) * (G.n_pad / 64) + it.q) * units * 2048;
-    const uint8_t* ws = G.scales + int64_t(it.e) * (G.k_pad / 32) * G.n_pad + it.q * kItemRows;
+    const uint8_t* ws = G.scales + (int64_t(it.e) * (G.n_pad / 64) + it.q) * units * 128;
     for (int c = 0; c < G.chunks<R>(); ++c) {
       int const u0 = c * R::kChunkUnits;
       int const cu = min(R::kChunkUnits, units - u0);
@@ -419,12 +419,10 @@ __device__ void produce(const Args& a, const Gemm& G, Smem<R>& sm, Ring<R>& ring
       if (ring.round > 0) mbar_wait(&sm.empty[ring.stage], (ring.round - 1) & 1);
       uint8_t* st = sm.stages[ring.stage];
       uint64_t* full = &sm.full[ring.stage];
-      // Scales: 2 cu groups x 64 rows, 16 bytes per copy spread over the lanes (as bulk copies, 16
-      // tiny requests per stage throttled the copy engine: measured 0.5-0.85 TB/s).
-      for (int p = lane; p < 2 * cu * (kItemRows / 16); p += 32) {
-        int const g = p / (kItemRows / 16), o = (p % (kItemRows / 16)) * 16;
-        async_copy16(st + R::kStageA + g * kItemRows + o, ws + int64_t(u0 * 2 + g) * G.n_pad + o);
-      }
+      // Scales: cu x 128 contiguous bytes, 16 bytes per copy spread over the lanes (as bulk copies
+      // of one 64-byte group row each, 16 tiny requests per stage throttled the copy engine:
+      // measured 0.5-0.85 TB/s).
+      for (int p = lane; p < cu * 8; p += 32) async_copy16(st + R::kStageA + p * 16, ws + u0 * 128 + p * 16);
       async_copies_arrive(full);
       __syncwarp();
       if (lane == 0) {
@@ -470,14 +468,11 @@ __device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int l
   int const gq = lane / 4;
   uint4 const w = *reinterpret_cast<uint4 const*>(st + u * 2048 + rb * 512 + lane * 16);
   uint32_t const words[4] = {w.x, w.y, w.z, w.w};
-  uint32_t sc[2][2];
+  uint32_t pairs[2];   // groups 2u, 2u+1 of rows rb * 16 + gq, +8 (mxfp4_math.cuh)
+  mc_scale_pairs(*reinterpret_cast<uint32_t const*>(st + R::kStageA + u * 128 + (rb * 8 + gq) * 4), pairs);
+  if constexpr (Slow) {
 #pragma unroll
-  for (int g = 0; g < KB / 2; ++g) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      uint32_t const sb = st[R::kStageA + (2 * u + g) * kItemRows + rb * 16 + gq + 8 * h];
-      sc[g][h] = Slow ? mc_e8m0_to_bf16x2(sb) : mc_scale_fast(sb);
-    }
+    for (int g = 0; g < KB / 2; ++g) pairs[g] = mc_scale_pair_slow(pairs[g]);
   }
   // B fragments, two k-blocks per ldmatrix.x4 (lane i addresses row i % 8 of matrix i / 8 =
   // 8 k-values at k = 8 (i / 8)): token n = lane / 4. Unmasked: a token row past the item holds
@@ -498,9 +493,8 @@ __device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int l
 #pragma unroll
       for (int j = 0; j < 4; ++j) f[j] = mc_mul_bf16x2(f[j], kUnbias);
     }
-    uint32_t const s0 = sc[kb / 2][0], s1 = sc[kb / 2][1];
-    uint32_t const frag[4] = {mc_mul_bf16x2(f[0], s0), mc_mul_bf16x2(f[1], s1), mc_mul_bf16x2(f[2], s0),
-                              mc_mul_bf16x2(f[3], s1)};
+    uint32_t frag[4];
+    mc_scale_fragment(f, pairs[kb / 2], frag);
     mma_bf16(acc[kb], frag, bf[kb][0], bf[kb][1]);
   }
 }

@@ -17,9 +17,13 @@
 //     values) in the 16 bytes at 16*t: one conflict-free 128-bit ld.shared per unit instead of
 //     cute's smem->rmem tiled copy (upstream: swizzled tile, copy_tensors_MK + retiled fragments).
 //  2. Scales are per 32 K elements (upstream: one scale per row per K tile, a static_assert, and
-//     a silently wrong result when chunk_size=32 is given with device-only shapes). The scale
-//     tile is (TileM, TileK/32) uint8 E8M0 with M contiguous in gmem ([E][K/32][Npad]), loaded by
-//     TMA with the A/B tiles of the same stage. Every k-block picks its own 32-group scale.
+//     a silently wrong result when chunk_size=32 is given with device-only shapes), in OUR
+//     prepared layout too: per 64-row slab and 64-K unit, 128 bytes holding one 32-bit word per
+//     thread row pair (r, r + 8) with the unit's two groups' E8M0 bytes, biased and placed so that a
+//     mask, and a rotation and a mask, give a thread its bf16x2 multipliers (mxfp4_math.cuh,
+//     mc_scale_pairs; layout.py). The tile's blocks come by TMA with the A/B tiles of the same stage,
+//     as A's: a (128 B, unit, slab, E) view. Per unit and thread: one 32-bit ld.shared and 3 ALU
+//     instructions, where one byte per (row, group) took 4 LDS.U8 + 4 IMAD (NOTES.md 2026-12-02 (27)).
 //  3. Conversion: custom e2m1 -> bf16 by bit placement: the offline layout puts each code's bits
 //     where a mask (after a shift) turns them into the bf16 of value * 2^-126, and ONE bf16x2
 //     multiply by 2^(s-1) applies the E8M0 scale and fixes the exponent bias (5 LOP3 + 2 SHF +
@@ -260,7 +264,7 @@ struct Mxfp4MoeMainloop {
   using GmemTiledCopyScale = SM90_TMA_LOAD;
 
   // smem layouts: A is plain K-major (no swizzle: our own addressing), B uses the GMMA 128B
-  // swizzle, scales are M-major (TileM, TileK/32).
+  // swizzle, scales are the tile's 128-byte scale-word blocks ([slab][unit][128 B], as in gmem).
   // A as raw bytes: (256 B, 8 rows x TileK/64 units, TileM/64 slabs) per stage, i.e. the tile's
   // 2 KB units back to back ([slab][unit][2048 B]), exactly as they lie in global memory.
   static constexpr int SlabsPerTile = TileM / 64;
@@ -272,8 +276,9 @@ struct Mxfp4MoeMainloop {
       make_shape(Int<TileN>{}, Int<TileK>{}, Int<Stages>{}), Step<_1, _2, _3>{}));
   // One 8-row chunk of the B tile (one swizzle atom per 64 K): the box of the partial-tile loads.
   using SmemLayoutB8 = decltype(tile_to_shape(SmemLayoutAtomB{}, make_shape(_8{}, Int<TileK>{})));
-  using SmemLayoutScale = Layout<Shape<Int<TileM>, Int<Groups>, Int<Stages>>,
-                                 Stride<_1, Int<TileM>, Int<TileM * Groups>>>;
+  using SmemLayoutScale = Layout<Shape<_128, Int<UnitsPerTile>, Int<SlabsPerTile>, Int<Stages>>,
+                                 Stride<_1, _128, Int<128 * UnitsPerTile>, Int<TileM * Groups>>>;
+  using TileShapeS = Shape<_128, Int<UnitsPerTile>, Int<SlabsPerTile>>;
 
   using MainloopPipeline = cutlass::PipelineTmaAsync<Stages>;
   using PipelineState = cutlass::PipelineState<Stages>;
@@ -304,7 +309,7 @@ struct Mxfp4MoeMainloop {
 
   struct Arguments {
     uint8_t const* w_blocks;       // [E][Npad/64][Kp/64][2048 B] prepared weights
-    ElementScale const* w_scales;  // [E][Kp/32][Npad] E8M0 bytes
+    ElementScale const* w_scales;  // [E][Npad/64][Kp/64][128 B] scale words (layout.py)
     ElementB const* act;           // [act_rows][K] tokens in expert order
     int32_t const* offsets;        // [E+1] expert row offsets into act (device)
     MoeRowWindow window;           // which of each expert's rows this launch takes
@@ -318,13 +323,13 @@ struct Mxfp4MoeMainloop {
 
   // Static descriptors over ALL experts (no per-group tensormap.replace, KERNEL_NOTES H.2):
   //   A: (256 B, 8 * Kp/64 unit rows, Npad/64 slabs, E), slab stride 2048 * Kp/64 B;
-  //   scales: (Npad, Kp/32, E);
+  //   scales: (128 B, Kp/64 units, Npad/64 slabs, E), slab stride 2 * Kp B;
   //   B: the whole act buffer (act_rows, K); an expert's tile starts at row offsets[e] + n * TileN,
   //      rows past the expert belong to the next one (or are zero-filled past act_rows) and are
   //      masked by the epilogue (n < rows_e).
   using GmemLayoutB = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, _0>>;
   using GmemLayoutUnits = Layout<Shape<int32_t, int32_t, int32_t, int32_t>, Stride<_1, _256, int64_t, int64_t>>;
-  using GmemLayoutS = Layout<Shape<int32_t, int32_t, int32_t>, Stride<_1, int64_t, int64_t>>;
+  using GmemLayoutS = Layout<Shape<int32_t, int32_t, int32_t, int32_t>, Stride<_1, _128, int64_t, int64_t>>;
 
   struct Params {
     using TMA_A = decltype(make_tma_copy(
@@ -342,7 +347,7 @@ struct Mxfp4MoeMainloop {
     using TMA_S = decltype(make_tma_copy(
         GmemTiledCopyScale{},
         make_tensor(static_cast<ElementScale const*>(nullptr), GmemLayoutS{}),
-        SmemLayoutScale{}(_, _, Int<0>{}), make_shape(Int<TileM>{}, Int<Groups>{}), _1{}));
+        SmemLayoutScale{}(_, _, _, Int<0>{}), TileShapeS{}, _1{}));
     TMA_A tma_load_a;
     TMA_B tma_load_b;
     TMA_B8 tma_load_b8;
@@ -368,15 +373,14 @@ struct Mxfp4MoeMainloop {
         make_layout(make_shape(int32_t(args.act_rows), int32_t(args.k_real), int32_t(1)),
                     make_stride(int64_t(args.k_real), _1{}, _0{})));
     Tensor tS = make_tensor(args.w_scales,
-        make_layout(make_shape(int32_t(args.m_pad), int32_t(args.k_pad / 32), int32_t(args.num_experts)),
-                    make_stride(_1{}, int64_t(args.m_pad), int64_t(args.m_pad) * args.k_pad / 32)));
+        make_layout(make_shape(int32_t(128), int32_t(args.k_pad / 64), int32_t(args.m_pad / 64), int32_t(args.num_experts)),
+                    make_stride(_1{}, _128{}, int64_t(args.k_pad) * 2, int64_t(args.m_pad) * args.k_pad / 32)));
     Params p{
       make_tma_copy(GmemTiledCopyA{}, tA, SmemLayoutA{}(_, _, _, Int<0>{}), TileShapeA{}, _1{}),
       make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutB{}(_, _, Int<0>{}),
                     make_shape(Int<TileN>{}, Int<TileK>{}), Int<ClusterM>{}),
       make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutB8{}, make_shape(_8{}, Int<TileK>{}), _1{}),
-      make_tma_copy(GmemTiledCopyScale{}, tS, SmemLayoutScale{}(_, _, Int<0>{}),
-                    make_shape(Int<TileM>{}, Int<Groups>{}), _1{}),
+      make_tma_copy(GmemTiledCopyScale{}, tS, SmemLayoutScale{}(_, _, _, Int<0>{}), TileShapeS{}, _1{}),
       TmaTransactionBytes,
       args.offsets, args.window, args.num_experts, args.act_rows,
       args.m_pad, args.k_pad, args.k_real, int(args.scale_max > kFastScaleMax)};
@@ -419,7 +423,7 @@ struct Mxfp4MoeMainloop {
     Tensor mAu = p.tma_load_a.get_tma_tensor(
         make_shape(int32_t(256), int32_t(p.k_pad / 8), int32_t(p.m_pad / 64), int32_t(p.num_experts)));
     Tensor mS = p.tma_load_scale.get_tma_tensor(
-        make_shape(int32_t(p.m_pad), int32_t(p.k_pad / 32), int32_t(p.num_experts)));
+        make_shape(int32_t(128), int32_t(p.k_pad / 64), int32_t(p.m_pad / 64), int32_t(p.num_experts)));
     Tensor mAct = p.tma_load_b.get_tma_tensor(make_shape(int32_t(p.act_rows), int32_t(p.k_real), int32_t(1)));
     return cute::make_tuple(gA, gB, mAu, mS, mAct, int32_t(0), int32_t(0), int32_t(0));
   }
@@ -451,8 +455,7 @@ struct Mxfp4MoeMainloop {
     Tensor mAct = get<4>(load_inputs)(_, _, 0);                                                  // (rows,K)
     auto block_tma_b8 = p.tma_load_b8.get_slice(0);
     Tensor gA = local_tile(get<2>(load_inputs)(_, _, _, e), TileShapeA{}, make_coord(_0{}, _, m_coord));  // (256,8U,S,k)
-    Tensor gS = local_tile(get<3>(load_inputs)(_, _, e), make_shape(Int<TileM>{}, Int<Groups>{}),
-                           make_coord(m_coord, _));                                              // (BM,G,kg)
+    Tensor gS = local_tile(get<3>(load_inputs)(_, _, _, e), TileShapeS{}, make_coord(_0{}, _, m_coord));  // (128,U,S,k)
     Tensor mB = domain_offset(make_coord(row0 + int32_t(n_coord) * TileN, 0, 0), get<4>(load_inputs));
     Tensor gB = local_tile(mB(_, _, 0), make_shape(Int<TileN>{}, Int<TileK>{}), make_coord(0, _));  // (BN,BK,k)
     auto block_tma_a = p.tma_load_a.get_slice(0);
@@ -497,7 +500,7 @@ struct Mxfp4MoeMainloop {
         if (cute::elect_one_sync()) {
           BarrierType* tma_barrier = pipeline.producer_get_barrier(write);
           copy(p.tma_load_a.with(*tma_barrier, 0), tAgA(_, _, _, _, *kit), tAsA(_, _, _, _, write.index()));
-          copy(p.tma_load_scale.with(*tma_barrier, 0), tSgS(_, _, _, *kit), tSsS(_, _, _, write.index()));
+          copy(p.tma_load_scale.with(*tma_barrier, 0), tSgS(_, _, _, _, *kit), tSsS(_, _, _, _, write.index()));
         }
       }
       pdl::wait();
@@ -519,7 +522,7 @@ struct Mxfp4MoeMainloop {
         int kt = *k_tile_iter;
         copy(p.tma_load_a.with(*tma_barrier, 0), tAgA(_, _, _, _, kt), tAsA(_, _, _, _, write_stage));
         load_tokens(kt, write_stage, tma_barrier);
-        copy(p.tma_load_scale.with(*tma_barrier, 0), tSgS(_, _, _, kt), tSsS(_, _, _, write_stage));
+        copy(p.tma_load_scale.with(*tma_barrier, 0), tSgS(_, _, _, _, kt), tSsS(_, _, _, _, write_stage));
       }
       ++k_tile_iter;
       ++smem_pipe_write;
@@ -567,12 +570,12 @@ struct Mxfp4MoeMainloop {
     static_assert(size<1>(decltype(tCrA0){}) == 1, "one M atom per warpgroup");
     static_assert(size<2>(decltype(tCrA0){}) == KSet);
 
-    // This thread's smem addresses: 16 bytes per 64-K unit; two scale rows per group.
+    // This thread's smem addresses: 16 bytes of A and one scale word per 64-K unit.
     uint8_t const* sA_bytes = shared_tensors.smem_A.data();
     uint8_t const* sS_bytes = shared_tensors.smem_scale.data();
     int const slab = warp_group_idx;                                      // 64-row slab of the tile
     int const a_off = slab * 2048 * UnitsPerTile + wg_thread * 16;         // conflict-free 128-bit loads
-    int const row0 = slab * 64 + (wg_thread / 32) * 16 + (wg_thread % 32) / 4;   // rows row0, row0+8
+    int const s_off = slab * 128 * UnitsPerTile + (wg_thread / 4) * 4;     // rows 16 (t / 32) + (t % 32) / 4, +8
 
     // Loads stage `stage` (A words + scales) and converts half `half` of the k tile (the whole
     // tile when Halves is 1) into `frag`. The scale path is fixed per weight tensor (one branch
@@ -580,21 +583,20 @@ struct Mxfp4MoeMainloop {
     auto convert_tile = [&](auto slow, int stage, auto& frag, auto half) {
       constexpr bool kSlow = decltype(slow)::value;
       constexpr int kU0 = decltype(half)::value * UnitsPerTile / Halves;
-      constexpr int kG0 = decltype(half)::value * Groups / Halves;
       uint32_t words[KSet];
       CUTLASS_PRAGMA_UNROLL
       for (int u = 0; u < UnitsPerTile / Halves; ++u) {
         uint4 v = *reinterpret_cast<uint4 const*>(sA_bytes + stage * TmaBytesA + a_off + (kU0 + u) * 2048);
         words[4 * u + 0] = v.x; words[4 * u + 1] = v.y; words[4 * u + 2] = v.z; words[4 * u + 3] = v.w;
       }
-      uint32_t sc[Groups / Halves][2];
+      uint32_t pairs[UnitsPerTile / Halves][2];   // per unit: groups 2u, 2u+1 (mxfp4_math.cuh)
       CUTLASS_PRAGMA_UNROLL
-      for (int g = 0; g < Groups / Halves; ++g) {
-        uint8_t const* sp = sS_bytes + stage * TmaBytesS + (kG0 + g) * TileM + row0;
-        CUTLASS_PRAGMA_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          uint32_t const sb = sp[8 * h];
-          sc[g][h] = kSlow ? mc_e8m0_to_bf16x2(sb) : mc_scale_fast(sb);
+      for (int u = 0; u < UnitsPerTile / Halves; ++u) {
+        mc_scale_pairs(*reinterpret_cast<uint32_t const*>(sS_bytes + stage * TmaBytesS + s_off + (kU0 + u) * 128),
+                       pairs[u]);
+        if constexpr (kSlow) {
+          pairs[u][0] = mc_scale_pair_slow(pairs[u][0]);
+          pairs[u][1] = mc_scale_pair_slow(pairs[u][1]);
         }
       }
       Tensor frag_u32 = recast<uint32_t>(frag);                          // (4,1,KSet)
@@ -602,8 +604,8 @@ struct Mxfp4MoeMainloop {
       for (int kb = 0; kb < KSet; ++kb) {
 #ifdef MC_PROBE_NO_CONVERT   // development probe only: measures the pipeline without the converter
         frag_u32(0, 0, kb) = words[kb];
-        frag_u32(1, 0, kb) = words[kb] ^ sc[kb / 2][0];
-        frag_u32(2, 0, kb) = words[kb] ^ sc[kb / 2][1];
+        frag_u32(1, 0, kb) = words[kb] ^ pairs[kb / 4][0];
+        frag_u32(2, 0, kb) = words[kb] ^ pairs[kb / 4][1];
         frag_u32(3, 0, kb) = words[kb];
 #else
         uint32_t f[4];
@@ -612,11 +614,10 @@ struct Mxfp4MoeMainloop {
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < 4; ++i) f[i] = mc_mul_bf16x2(f[i], kUnbias);
         }
-        uint32_t const s0 = sc[kb / 2][0], s1 = sc[kb / 2][1];
-        frag_u32(0, 0, kb) = mc_mul_bf16x2(f[0], s0);
-        frag_u32(1, 0, kb) = mc_mul_bf16x2(f[1], s1);
-        frag_u32(2, 0, kb) = mc_mul_bf16x2(f[2], s0);
-        frag_u32(3, 0, kb) = mc_mul_bf16x2(f[3], s1);
+        uint32_t a[4];
+        mc_scale_fragment(f, pairs[kb / 4][(kb / 2) % 2], a);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < 4; ++i) frag_u32(i, 0, kb) = a[i];
 #endif
       }
     };

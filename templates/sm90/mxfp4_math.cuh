@@ -17,7 +17,7 @@ namespace moe_cutlass {
 // lanes, and the (sign, e1, e0, m) bits of each value sit where that register's shifts and masks
 // move them to bf16 bits 15, 8, 7, 6 of its lane: the bf16 of the e2m1 value times 2^-126 (code
 // 0.5 becomes the subnormal 2^-127). One bf16x2 multiply by 2^(s-1) then applies the E8M0 scale
-// and the bias fix together (mc_scale_fast); all exact, and bf16 multiplies and WGMMA keep
+// and the bias fix together (mc_scale_pairs); all exact, and bf16 multiplies and WGMMA keep
 // subnormals (KERNEL_NOTES H.1).
 // Why this layout (2026-12-02): 5 LOP3 + 2 SHF (the ALU pipe, half rate) + 2 IMAD.SHL per 8
 // weights, against 6 + 2 + 3 for the TensorRT-LLM layout used before (one mask per register after
@@ -36,25 +36,70 @@ __device__ __forceinline__ void mc_e2m1x8_to_bf16(uint32_t q, uint32_t (&out)[4]
   out[3] = __funnelshift_l(q, q, 10) & kMask;   // rotate left by 10
 }
 
-// Scale bytes s <= 128 (layout.FAST_SCALE_MAX): bf16x2 of 2^(s-1) in both halves, bits (s+126) << 7,
-// one IMAD; 2^-126 * 2^(s-1) * value = value * 2^(s-127) exactly.
-__device__ __forceinline__ uint32_t mc_scale_fast(uint32_t s) { return s * 0x00800080u + 0x3F003F00u; }
+// ---------------------------------------------------------------------------------------------
+// Scale words (layout.py, _swizzle_scales). Per 64-row slab and 64-K unit the prepared scales hold
+// one 32-bit word per row pair (r, r + 8) of a thread (the rows of its A fragment), with the unit's
+// two 32-K groups' bytes stored as t = (s + 126) mod 256 (layout.SCALE_BIAS): the bf16 exponent field
+// of 2^(s-1). Group 2u's two fields sit on the bf16x2 exponent bits (7..14: row r, 23..30: row r + 8),
+// group 2u+1's on the same bits after a rotation left by 8. A thread's four multipliers of a unit are
+// one 32-bit shared load plus LOP3, SHF.L.W, LOP3, and the multiplies take each row's half through
+// HMUL2's .H0_H0 / .H1_H1 operand selects (no instruction). Before (2026-12-02), scales were bytes
+// [Kp/32][Npad]: per unit 4 LDS.U8 and 4 IMAD (one byte to 2^(s-1) in both halves), 7.6% of qwen3
+// M = 256 GEMM2's executed instructions. 2^-126 * 2^(s-1) * value = value * 2^(s-127) exactly for
+// s <= kFastScaleMax (t <= 254, a normal bf16).
+// ---------------------------------------------------------------------------------------------
+constexpr uint32_t kScaleFields = 0x7F807F80u;   // bf16x2 exponent bits
+
+// The unit's multiplier pairs (low half: row r, high half: row r + 8) of groups 2u and 2u+1.
+__device__ __forceinline__ void mc_scale_pairs(uint32_t w, uint32_t (&pair)[2]) {
+  pair[0] = w & kScaleFields;
+  pair[1] = __funnelshift_l(w, w, 8) & kScaleFields;
+}
 
 // Any byte: bf16x2 of 2^(s-127) (s=0 -> 0x0040, a subnormal; s=255 -> NaN), applied after a first
 // multiply by 2^126 (kUnbias) has made the converted value exact and normal.
-__device__ __forceinline__ uint32_t mc_e8m0_to_bf16x2(uint32_t s) {
+__device__ __forceinline__ uint32_t mc_e8m0_to_bf16(uint32_t s) {
   uint32_t b = s << 7;
   b = (s == 0u) ? 0x0040u : b;
-  b = (s == 255u) ? 0x7FC0u : b;
-  return b | (b << 16);
+  return (s == 255u) ? 0x7FC0u : b;
 }
 constexpr uint32_t kUnbias = 0x7E807E80u;   // bf16x2 of 2^126
 constexpr int kFastScaleMax = 128;          // = layout.FAST_SCALE_MAX
+
+// A pair of the slow path: its two stored fields back to bytes s = t - 126, each as 2^(s-127).
+__device__ __forceinline__ uint32_t mc_scale_pair_slow(uint32_t pair) {
+  uint32_t const lo = ((pair >> 7) + 130u) & 0xFFu;
+  uint32_t const hi = ((pair >> 23) + 130u) & 0xFFu;
+  return mc_e8m0_to_bf16(lo) | (mc_e8m0_to_bf16(hi) << 16);
+}
 
 __device__ __forceinline__ uint32_t mc_mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
+}
+// a times the low (high) half of b in both lanes; ptxas folds the broadcast into the multiply's
+// operand select.
+__device__ __forceinline__ uint32_t mc_mul_bf16x2_lo(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("{.reg .b16 l, h; .reg .b32 m; mov.b32 {l, h}, %2; mov.b32 m, {l, l}; mul.rn.bf16x2 %0, %1, m;}"
+      : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t mc_mul_bf16x2_hi(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("{.reg .b16 l, h; .reg .b32 m; mov.b32 {l, h}, %2; mov.b32 m, {h, h}; mul.rn.bf16x2 %0, %1, m;}"
+      : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// One k-block's A fragment: the converter's registers (rows r, r + 8, r, r + 8) times their rows'
+// multipliers from `pair`.
+__device__ __forceinline__ void mc_scale_fragment(uint32_t const (&f)[4], uint32_t pair, uint32_t (&a)[4]) {
+  a[0] = mc_mul_bf16x2_lo(f[0], pair);
+  a[1] = mc_mul_bf16x2_hi(f[1], pair);
+  a[2] = mc_mul_bf16x2_lo(f[2], pair);
+  a[3] = mc_mul_bf16x2_hi(f[3], pair);
 }
 
 // GEMM1's activation of one (gate, up) pair, bias already added: g * sigmoid(alpha g) * (u + beta),
