@@ -81,7 +81,7 @@ int32_t mc_sm90_moe_decode_k1024_max_slots(void);
 
 /* moe_gemm1_m128n32k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n32k128_coop: GEMM1, tile 128x32x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -113,7 +113,7 @@ size_t mc_sm90_moe_gemm1_m128n32k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m128n32k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n32k128_coop: GEMM2, tile 128x32x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -145,7 +145,7 @@ size_t mc_sm90_moe_gemm2_m128n32k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m128n64k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n64k128_coop: GEMM1, tile 128x64x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -177,7 +177,7 @@ size_t mc_sm90_moe_gemm1_m128n64k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m128n64k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n64k128_coop: GEMM2, tile 128x64x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -209,7 +209,7 @@ size_t mc_sm90_moe_gemm2_m128n64k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m128n96k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n96k128_coop: GEMM1, tile 128x96x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -241,7 +241,7 @@ size_t mc_sm90_moe_gemm1_m128n96k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m128n96k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n96k128_coop: GEMM2, tile 128x96x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -273,7 +273,7 @@ size_t mc_sm90_moe_gemm2_m128n96k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m128n128k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n128k128_coop: GEMM1, tile 128x128x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -305,7 +305,7 @@ size_t mc_sm90_moe_gemm1_m128n128k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m128n128k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n128k128_coop: GEMM2, tile 128x128x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -337,7 +337,7 @@ size_t mc_sm90_moe_gemm2_m128n128k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m128n16k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n16k256_coop: GEMM1, tile 128x16x256, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -369,7 +369,7 @@ size_t mc_sm90_moe_gemm1_m128n16k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m128n16k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n16k256_coop: GEMM2, tile 128x16x256, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -401,7 +401,7 @@ size_t mc_sm90_moe_gemm2_m128n16k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m128n8k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n8k256_coop: GEMM1, tile 128x8x256, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -433,7 +433,7 @@ size_t mc_sm90_moe_gemm1_m128n8k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m128n8k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n8k256_coop: GEMM2, tile 128x8x256, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -465,7 +465,7 @@ size_t mc_sm90_moe_gemm2_m128n8k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m128n32k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n32k256_coop: GEMM1, tile 128x32x256, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -497,7 +497,7 @@ size_t mc_sm90_moe_gemm1_m128n32k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m128n32k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n32k256_coop: GEMM2, tile 128x32x256, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -529,7 +529,7 @@ size_t mc_sm90_moe_gemm2_m128n32k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m128n64k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n64k256_coop: GEMM1, tile 128x64x256, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -561,7 +561,7 @@ size_t mc_sm90_moe_gemm1_m128n64k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m128n64k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n64k256_coop: GEMM2, tile 128x64x256, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -593,7 +593,7 @@ size_t mc_sm90_moe_gemm2_m128n64k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m192n8k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m192n8k128_coop: GEMM1, tile 192x8x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -625,7 +625,7 @@ size_t mc_sm90_moe_gemm1_m192n8k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m192n8k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m192n8k128_coop: GEMM2, tile 192x8x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -657,7 +657,7 @@ size_t mc_sm90_moe_gemm2_m192n8k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m192n16k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m192n16k128_coop: GEMM1, tile 192x16x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -689,7 +689,7 @@ size_t mc_sm90_moe_gemm1_m192n16k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m192n16k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m192n16k128_coop: GEMM2, tile 192x16x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -721,7 +721,7 @@ size_t mc_sm90_moe_gemm2_m192n16k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m192n32k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m192n32k128_coop: GEMM1, tile 192x32x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -753,7 +753,7 @@ size_t mc_sm90_moe_gemm1_m192n32k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m192n32k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m192n32k128_coop: GEMM2, tile 192x32x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -785,7 +785,7 @@ size_t mc_sm90_moe_gemm2_m192n32k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m192n64k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m192n64k128_coop: GEMM1, tile 192x64x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -817,7 +817,7 @@ size_t mc_sm90_moe_gemm1_m192n64k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m192n64k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m192n64k128_coop: GEMM2, tile 192x64x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -849,7 +849,7 @@ size_t mc_sm90_moe_gemm2_m192n64k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m192n8k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m192n8k256_coop: GEMM1, tile 192x8x256, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -881,7 +881,7 @@ size_t mc_sm90_moe_gemm1_m192n8k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m192n8k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m192n8k256_coop: GEMM2, tile 192x8x256, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -913,7 +913,7 @@ size_t mc_sm90_moe_gemm2_m192n8k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m192n96k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m192n96k128_coop: GEMM1, tile 192x96x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -945,7 +945,7 @@ size_t mc_sm90_moe_gemm1_m192n96k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m192n96k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m192n96k128_coop: GEMM2, tile 192x96x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -977,7 +977,7 @@ size_t mc_sm90_moe_gemm2_m192n96k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m192n128k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m192n128k128_coop: GEMM1, tile 192x128x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -1009,7 +1009,7 @@ size_t mc_sm90_moe_gemm1_m192n128k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m192n128k128_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m192n128k128_coop: GEMM2, tile 192x128x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -1041,7 +1041,7 @@ size_t mc_sm90_moe_gemm2_m192n128k128_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m192n32k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m192n32k256_coop: GEMM1, tile 192x32x256, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -1073,7 +1073,7 @@ size_t mc_sm90_moe_gemm1_m192n32k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m192n32k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m192n32k256_coop: GEMM2, tile 192x32x256, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -1105,7 +1105,7 @@ size_t mc_sm90_moe_gemm2_m192n32k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m192n64k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m192n64k256_coop: GEMM1, tile 192x64x256, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -1137,7 +1137,7 @@ size_t mc_sm90_moe_gemm1_m192n64k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm2_m192n64k256_coop (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m192n64k256_coop: GEMM2, tile 192x64x256, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -1169,7 +1169,7 @@ size_t mc_sm90_moe_gemm2_m192n64k256_coop_shared_memory_bytes(void);
 
 /* moe_gemm1_m128n128k128_coop_c2 (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n128k128_coop_c2: GEMM1, tile 128x128x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -1201,7 +1201,7 @@ size_t mc_sm90_moe_gemm1_m128n128k128_coop_c2_shared_memory_bytes(void);
 
 /* moe_gemm2_m128n128k128_coop_c2 (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n128k128_coop_c2: GEMM2, tile 128x128x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -1233,7 +1233,7 @@ size_t mc_sm90_moe_gemm2_m128n128k128_coop_c2_shared_memory_bytes(void);
 
 /* moe_gemm1_m192n128k128_coop_c2 (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m192n128k128_coop_c2: GEMM1, tile 192x128x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
@@ -1265,7 +1265,7 @@ size_t mc_sm90_moe_gemm1_m192n128k128_coop_c2_shared_memory_bytes(void);
 
 /* moe_gemm2_m192n128k128_coop_c2 (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m192n128k128_coop_c2: GEMM2, tile 192x128x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).

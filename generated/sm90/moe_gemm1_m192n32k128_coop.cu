@@ -5,7 +5,7 @@
 // The exported ABI, declared ahead of the definitions so the compiler checks they agree.
 extern "C" {
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m192n32k128_coop: GEMM1, tile 192x32x128, cooperative.
- * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Kp/32, Npad],
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
  * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
