@@ -592,7 +592,7 @@ struct Mxfp4MoeMainloop {
       uint32_t pairs[UnitsPerTile / Halves][2];   // per unit: groups 2u, 2u+1 (mxfp4_math.cuh)
       CUTLASS_PRAGMA_UNROLL
       for (int u = 0; u < UnitsPerTile / Halves; ++u) {
-        mc_scale_pairs<true>(*reinterpret_cast<uint32_t const*>(sS_bytes + stage * TmaBytesS + s_off + (kU0 + u) * 128),
+        mc_scale_pairs(*reinterpret_cast<uint32_t const*>(sS_bytes + stage * TmaBytesS + s_off + (kU0 + u) * 128),
                        pairs[u]);
         if constexpr (kSlow) {
           pairs[u][0] = mc_scale_pair_slow(pairs[u][0]);
@@ -609,7 +609,7 @@ struct Mxfp4MoeMainloop {
         frag_u32(3, 0, kb) = words[kb];
 #else
         uint32_t f[4];
-        mc_e2m1x8_to_bf16<true>(words[kb], f);
+        mc_e2m1x8_to_bf16(words[kb], f);
         if constexpr (kSlow) {
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < 4; ++i) f[i] = mc_mul_bf16x2(f[i], kUnbias);

@@ -28,30 +28,12 @@ namespace moe_cutlass {
 // Measured: benchmarks/NOTES.md, 2026-12-02 (26).
 // Output: 4 bf16x2 registers (v0,v1) (v2,v3) (v4,v5) (v6,v7), each times 2^-126.
 // ---------------------------------------------------------------------------------------------
-// Fma: the right shift and the rotation run as multiplies (IMAD.HI, IMAD.WIDE: the FMA pipe; ptxas puts
-// left shifts there itself, as IMAD.SHL), leaving the ALU pipe only the five LOP3s, where SHF shares it
-// with them (the GEMM consumers' ALU pipe is their busiest: NOTES.md 2026-12-02 (27)). The one-launch decode
-// kernel keeps SHF: the wide multiply's second register made it spill at its 96-register bound.
-template <bool Fma>
-__device__ __forceinline__ uint32_t mc_shr(uint32_t q, int n) { return Fma ? __umulhi(q, 1u << (32 - n)) : q >> n; }
-template <bool Fma, int N>
-__device__ __forceinline__ uint32_t mc_rotl(uint32_t q) {
-  if constexpr (Fma) {
-    uint32_t lo, hi;
-    asm("{.reg .b64 w; mul.wide.u32 w, %2, %3; mov.b64 {%0, %1}, w;}" : "=r"(lo), "=r"(hi) : "r"(q), "n"(1u << N));
-    return lo | hi;   // the caller's mask folds the OR into its LOP3
-  } else {
-    return __funnelshift_l(q, q, N);
-  }
-}
-
-template <bool Fma>
 __device__ __forceinline__ void mc_e2m1x8_to_bf16(uint32_t q, uint32_t (&out)[4]) {
   constexpr uint32_t kMask = 0x81C081C0u;   // sign, exponent bits 1..0, mantissa bit 6, per lane
   out[0] = q & kMask;
-  out[1] = ((q << 4) & 0x81808180u) | (mc_shr<Fma>(q, 4) & 0x00400040u);
+  out[1] = ((q << 4) & 0x81808180u) | ((q >> 4) & 0x00400040u);
   out[2] = (q << 6) & kMask;
-  out[3] = mc_rotl<Fma, 10>(q) & kMask;
+  out[3] = __funnelshift_l(q, q, 10) & kMask;   // rotate left by 10
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -69,10 +51,9 @@ __device__ __forceinline__ void mc_e2m1x8_to_bf16(uint32_t q, uint32_t (&out)[4]
 constexpr uint32_t kScaleFields = 0x7F807F80u;   // bf16x2 exponent bits
 
 // The unit's multiplier pairs (low half: row r, high half: row r + 8) of groups 2u and 2u+1.
-template <bool Fma>
 __device__ __forceinline__ void mc_scale_pairs(uint32_t w, uint32_t (&pair)[2]) {
   pair[0] = w & kScaleFields;
-  pair[1] = mc_rotl<Fma, 8>(w) & kScaleFields;
+  pair[1] = __funnelshift_l(w, w, 8) & kScaleFields;
 }
 
 // Any byte: bf16x2 of 2^(s-127) (s=0 -> 0x0040, a subnormal; s=255 -> NaN), applied after a first
