@@ -127,6 +127,16 @@ def _words(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.contiguous().view(torch.int32)
 
 
+def _u32(blocks: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 4n] -> int64 [..., n]: the 32-bit words as unsigned values (room for shifts)."""
+    return _words(blocks).long() & 0xFFFFFFFF
+
+
+def _bytes_of(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of _u32: int64 [..., n] holding 32-bit words -> uint8 [..., 4n]."""
+    return (words - ((words >> 31) << 32)).to(torch.int32).view(torch.uint8)
+
+
 def _unswizzle_codes(blocks: torch.Tensor) -> torch.Tensor:
     """Exact inverse of _swizzle_codes."""
     E, S, U, _ = blocks.shape
@@ -146,10 +156,8 @@ def migrate_blocks_v1(blocks: torch.Tensor) -> torch.Tensor:
     moves = [(BIT_POS_V1[v >> 1][i] + 16 * (v & 1), CODE_BITS[v][i]) for v in range(8) for i in range(4)]
     out = torch.empty_like(blocks)
     for e0, e1 in _chunks(len(blocks), blocks[0].numel() if len(blocks) else 1):
-        words = _words(blocks[e0:e1]).long() & 0xFFFFFFFF
-        moved = sum(((words >> old) & 1) << new for old, new in moves)
-        moved -= (moved >> 31) << 32                                       # two's complement int32
-        out[e0:e1] = moved.to(torch.int32).view(torch.uint8).view(out[e0:e1].shape)
+        words = _u32(blocks[e0:e1])
+        out[e0:e1] = _bytes_of(sum(((words >> old) & 1) << new for old, new in moves)).view(out[e0:e1].shape)
     return out
 
 
@@ -174,14 +182,13 @@ def _swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
     lo, hi = t.index_select(3, r), t.index_select(3, r + 8)               # (E, S, U, 32, 2)
     fields = (lo << 7) | (hi << 23)
     words = fields[..., 0] | _rotl32(fields[..., 1], 24)                  # group 2u+1: rotated right by 8
-    words -= (words >> 31) << 32                                          # two's complement int32
-    return words.to(torch.int32).view(torch.uint8).reshape(E, S, U, 128)
+    return _bytes_of(words).reshape(E, S, U, 128)
 
 
 def _unswizzle_scales(prepared: torch.Tensor) -> torch.Tensor:
     """Exact inverse of _swizzle_scales."""
     E, S, U, _ = prepared.shape
-    words = _words(prepared).long() & 0xFFFFFFFF                          # (E, S, U, 32)
+    words = _u32(prepared)                                                # (E, S, U, 32)
     out = torch.empty(E, S, U, UNIT_M, 2, dtype=torch.uint8, device=prepared.device)
     r = _pair_rows(prepared.device)
     for g, pair in enumerate((words, _rotl32(words, 8))):
