@@ -469,11 +469,7 @@ __device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int l
   uint4 const w = *reinterpret_cast<uint4 const*>(st + u * 2048 + rb * 512 + lane * 16);
   uint32_t const words[4] = {w.x, w.y, w.z, w.w};
   uint32_t pairs[2];   // groups 2u, 2u+1 of rows rb * 16 + gq, +8 (mxfp4_math.cuh)
-  mc_scale_pairs(*reinterpret_cast<uint32_t const*>(st + R::kStageA + u * 128 + (rb * 8 + gq) * 4), pairs);
-  if constexpr (Slow) {
-#pragma unroll
-    for (int g = 0; g < KB / 2; ++g) pairs[g] = mc_scale_pair_slow(pairs[g]);
-  }
+  mc_scale_pairs<Slow>(*reinterpret_cast<uint32_t const*>(st + R::kStageA + u * 128 + (rb * 8 + gq) * 4), pairs);
   // B fragments, two k-blocks per ldmatrix.x4 (lane i addresses row i % 8 of matrix i / 8 =
   // 8 k-values at k = 8 (i / 8)): token n = lane / 4. Unmasked: a token row past the item holds
   // stale bytes, which reach only its own output column, never stored.
@@ -489,12 +485,8 @@ __device__ __forceinline__ void unit_mma(uint8_t const* st, int u, int rb, int l
   for (int kb = 0; kb < KB; ++kb) {
     uint32_t f[4];
     mc_e2m1x8_to_bf16(words[kb], f);
-    if constexpr (Slow) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) f[j] = mc_mul_bf16x2(f[j], kUnbias);
-    }
     uint32_t frag[4];
-    mc_scale_fragment(f, pairs[kb / 2], frag);
+    mc_scale_fragment<Slow>(f, pairs[kb / 2], frag);
     mma_bf16(acc[kb], frag, bf[kb][0], bf[kb][1]);
   }
 }

@@ -592,12 +592,8 @@ struct Mxfp4MoeMainloop {
       uint32_t pairs[UnitsPerTile / Halves][2];   // per unit: groups 2u, 2u+1 (mxfp4_math.cuh)
       CUTLASS_PRAGMA_UNROLL
       for (int u = 0; u < UnitsPerTile / Halves; ++u) {
-        mc_scale_pairs(*reinterpret_cast<uint32_t const*>(sS_bytes + stage * TmaBytesS + s_off + (kU0 + u) * 128),
-                       pairs[u]);
-        if constexpr (kSlow) {
-          pairs[u][0] = mc_scale_pair_slow(pairs[u][0]);
-          pairs[u][1] = mc_scale_pair_slow(pairs[u][1]);
-        }
+        mc_scale_pairs<kSlow>(*reinterpret_cast<uint32_t const*>(sS_bytes + stage * TmaBytesS + s_off + (kU0 + u) * 128),
+                              pairs[u]);
       }
       Tensor frag_u32 = recast<uint32_t>(frag);                          // (4,1,KSet)
       CUTLASS_PRAGMA_UNROLL
@@ -610,12 +606,8 @@ struct Mxfp4MoeMainloop {
 #else
         uint32_t f[4];
         mc_e2m1x8_to_bf16(words[kb], f);
-        if constexpr (kSlow) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < 4; ++i) f[i] = mc_mul_bf16x2(f[i], kUnbias);
-        }
         uint32_t a[4];
-        mc_scale_fragment(f, pairs[kb / 4][(kb / 2) % 2], a);
+        mc_scale_fragment<kSlow>(f, pairs[kb / 4][(kb / 2) % 2], a);
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < 4; ++i) frag_u32(i, 0, kb) = a[i];
 #endif

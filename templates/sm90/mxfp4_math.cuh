@@ -50,12 +50,6 @@ __device__ __forceinline__ void mc_e2m1x8_to_bf16(uint32_t q, uint32_t (&out)[4]
 // ---------------------------------------------------------------------------------------------
 constexpr uint32_t kScaleFields = 0x7F807F80u;   // bf16x2 exponent bits
 
-// The unit's multiplier pairs (low half: row r, high half: row r + 8) of groups 2u and 2u+1.
-__device__ __forceinline__ void mc_scale_pairs(uint32_t w, uint32_t (&pair)[2]) {
-  pair[0] = w & kScaleFields;
-  pair[1] = __funnelshift_l(w, w, 8) & kScaleFields;
-}
-
 // Any byte: bf16x2 of 2^(s-127) (s=0 -> 0x0040, a subnormal; s=255 -> NaN), applied after a first
 // multiply by 2^126 (kUnbias) has made the converted value exact and normal.
 __device__ __forceinline__ uint32_t mc_e8m0_to_bf16(uint32_t s) {
@@ -71,6 +65,18 @@ __device__ __forceinline__ uint32_t mc_scale_pair_slow(uint32_t pair) {
   uint32_t const lo = ((pair >> 7) + 130u) & 0xFFu;
   uint32_t const hi = ((pair >> 23) + 130u) & 0xFFu;
   return mc_e8m0_to_bf16(lo) | (mc_e8m0_to_bf16(hi) << 16);
+}
+
+// The unit's multiplier pairs (low half: row r, high half: row r + 8) of groups 2u and 2u+1, from the
+// thread's scale word w; Slow: the slow path's (the scale path is fixed per weight tensor).
+template <bool Slow>
+__device__ __forceinline__ void mc_scale_pairs(uint32_t w, uint32_t (&pair)[2]) {
+  pair[0] = w & kScaleFields;
+  pair[1] = __funnelshift_l(w, w, 8) & kScaleFields;
+  if constexpr (Slow) {
+    pair[0] = mc_scale_pair_slow(pair[0]);
+    pair[1] = mc_scale_pair_slow(pair[1]);
+  }
 }
 
 __device__ __forceinline__ uint32_t mc_mul_bf16x2(uint32_t a, uint32_t b) {
@@ -93,9 +99,14 @@ __device__ __forceinline__ uint32_t mc_mul_bf16x2_hi(uint32_t a, uint32_t b) {
   return d;
 }
 
-// One k-block's A fragment: the converter's registers (rows r, r + 8, r, r + 8) times their rows'
-// multipliers from `pair`.
-__device__ __forceinline__ void mc_scale_fragment(uint32_t const (&f)[4], uint32_t pair, uint32_t (&a)[4]) {
+// One k-block's A fragment: the converter's registers f (rows r, r + 8, r, r + 8) times their rows'
+// multipliers from `pair` (mc_scale_pairs<Slow>); Slow: after the multiply by 2^126.
+template <bool Slow>
+__device__ __forceinline__ void mc_scale_fragment(uint32_t (&f)[4], uint32_t pair, uint32_t (&a)[4]) {
+  if constexpr (Slow) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = mc_mul_bf16x2(f[i], kUnbias);
+  }
   a[0] = mc_mul_bf16x2_lo(f[0], pair);
   a[1] = mc_mul_bf16x2_hi(f[1], pair);
   a[2] = mc_mul_bf16x2_lo(f[2], pair);
