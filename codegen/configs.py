@@ -61,10 +61,12 @@ ARCH_FLAGS = {
 # per GEMM +10..+14% (+18..+26% in clusters) where 94-300 rows per expert put a 129-255-row remainder
 # in one 256-token tile (qwen3 M = 2048, gpt-oss and dsv3 M = 4096), -3.5..+5.7% at M = 16384;
 # 128x256x128 made ptxas serialize the GMMAs (C7520) and ran 30x slower.
+# 128x160x128 (0 spill bytes): the 160-token part of _gemm.WIDE_TILE, an expert's 129-160 rows in one tile
+# (gpt-oss / dsv3 M = 4096 layers -13 / -9%, benchmarks/NOTES.md 2026-12-02 (28)).
 SM90_GEMM_TILES = ((128, 32, 128), (128, 64, 128), (128, 96, 128), (128, 128, 128), (128, 16, 256), (128, 8, 256),
                    (128, 32, 256), (128, 64, 256), (192, 8, 128), (192, 16, 128), (192, 32, 128), (192, 64, 128),
                    (192, 8, 256), (192, 96, 128), (192, 128, 128), (192, 32, 256), (192, 64, 256),
-                   (128, 128, 128, 2), (192, 128, 128, 2))
+                   (128, 160, 128), (128, 128, 128, 2), (192, 128, 128, 2))
 
 
 def _gemm_configs(tiles) -> list:

@@ -93,11 +93,10 @@ def test_plan_parts_take_every_row_once(shape, M):
 
     E, k = SHAPE_ROUTES[shape]
     plan = _gemm.plan(M * k, E)
-    assert 1 <= len(plan.parts) <= 4
-    assert plan.chunk & (plan.chunk - 1) == 0, "MoeRowWindow::valid takes power-of-two chunks only"
+    assert 1 <= len(plan.parts) <= mc.ops.MAX_GEMM_PARTS
     tiles = [_gemm.tile_n(part[0]) for part in plan.parts]
     assert tiles == sorted(tiles, reverse=True) and all(_gemm.tile_n(p[1]) == _gemm.tile_n(p[0]) for p in plan.parts)
-    for rows in range(0, 3 * 128 + 2):
+    for rows in range(0, 3 * 160 + 2):
         taken = []
         for config1, _, lo, hi in plan.parts:
             first, count = _gemm.window_rows(rows, plan.chunk, lo, hi)
@@ -114,7 +113,10 @@ def test_plan_clusters_the_128_token_part_from_256_rows_per_expert():
         return plan.parts[0][:2]
     assert first(_gemm.plan(16384 * 8, 128)) == ("moe_gemm1_m192n128k128_coop_c2", "moe_gemm2_m128n128k128_coop_c2")
     assert all("_c2" not in c for part in _gemm.plan(16384 * 8, 128).parts[1:] for c in part[:2])
-    assert first(_gemm.plan(4096 * 4, 128)) == ("moe_gemm1_m192n128k128_coop", "moe_gemm2_m128n128k128_coop")
+    # 128 rows per expert: the 160-token part first, the 128-token one without clusters
+    assert [part[:2] for part in _gemm.plan(4096 * 4, 128).parts[:2]] == [
+        ("moe_gemm1_m128n160k128_coop", "moe_gemm2_m128n160k128_coop"),
+        ("moe_gemm1_m192n128k128_coop", "moe_gemm2_m128n128k128_coop")]
     assert _gemm.plan(16384 * 8, 128, batch_invariant=True) == _gemm.single("moe_gemm1_m128n128k128_coop")
     named = _gemm.plan(16384 * 8, 128, split_tiles=_gemm.SPLIT_TILES)   # an A/B candidate runs as named
     assert first(named) == ("moe_gemm1_m192n128k128_coop", "moe_gemm2_m128n128k128_coop")
@@ -132,7 +134,7 @@ def test_plan_splits_only_above_the_streaming_tiles():
     # the M = 1024 ridge: one part per expert size class, each expert's weights converted once
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(1024 * 4, 128).parts] == [64, 32]      # gpt-oss
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(1024 * 8, 128).parts] == [96, 64]      # qwen3
-    assert [_gemm.tile_n(p[0]) for p in _gemm.plan(4096 * 4, 128).parts] == [128, 96, 64, 32]
+    assert [_gemm.tile_n(p[0]) for p in _gemm.plan(4096 * 4, 128).parts] == [160, 128, 96, 64, 32]
     assert _gemm.plan(4096 * 4, 128, batch_invariant=True) == _gemm.single("moe_gemm1_m128n128k128_coop")
     every = [f"moe_gemm1_{t}" for t in _gemm.SPLIT_TILES]   # GEMM1 names, as ops passes configs_of(1)
     assert len(_gemm.plan(4096 * 4, 128, available=every).parts) == 4
@@ -160,7 +162,7 @@ def test_ridge_parts_keep_tilek_256_on_192_rows_where_k_allows():
     # the streaming tiles do not depend on K
     assert _gemm.plan(4096 * 4, 128, ks=(2048, 768)).parts[:2] == _gemm.plan(4096 * 4, 128).parts[:2]
     assert [(c1[len("moe_gemm1_"):], c2[len("moe_gemm2_"):]) for c1, c2, _, _ in
-            _gemm.plan(4096 * 4, 128, ks=(2880, 2880)).parts[:2]] == [("m192n128k128_coop",) * 2, ("m192n96k128_coop",) * 2]
+            _gemm.plan(4096 * 4, 128, ks=(2880, 2880)).parts[1:3]] == [("m192n128k128_coop",) * 2, ("m192n96k128_coop",) * 2]
     assert _gemm.plan(16384 * 8, 256, ks=(7168, 2048)).parts[0][:2] == ("moe_gemm1_m192n128k128_coop_c2",
                                                                         "moe_gemm2_m192n128k128_coop_c2")
     assert _gemm.plan(16384 * 8, 128, ks=(2048, 768)).parts[0][:2] == ("moe_gemm1_m192n128k128_coop_c2",
@@ -171,9 +173,10 @@ def test_ridge_parts_keep_tilek_256_on_192_rows_where_k_allows():
 def test_split_parts_run_on_192_rows_where_the_library_holds_them():
     from moe_cutlass import _gemm
 
-    # GEMM1's parts all on 192 rows, GEMM2's of up to 64 tokens
+    # GEMM1's parts all on 192 rows but the 160-token one, GEMM2's of up to 64 tokens
     parts = _gemm.plan(4096 * 4, 128).parts
     assert [(c1[len("moe_gemm1_"):], c2[len("moe_gemm2_"):]) for c1, c2, _, _ in parts] == [
+        ("m128n160k128_coop",) * 2,
         ("m192n128k128_coop", "m128n128k128_coop"), ("m192n96k128_coop", "m128n96k128_coop"),
         ("m192n64k128_coop",) * 2, ("m192n32k128_coop",) * 2]
     assert [p[2:] for p in parts] == [p[2:] for p in _gemm.split_plan(4096 * 4, 128).parts]

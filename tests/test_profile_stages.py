@@ -38,19 +38,21 @@ def test_a_split_candidate_keeps_the_rule_with_other_split_tiles():
 
 
 def test_an_exact_candidate_runs_its_tiles_as_named():
-    rows, experts = 4096 * 4, 128   # gpt-oss M = 4096: parts of 128 / 96 / 64 / 32 tokens
+    rows, experts = 4096 * 4, 128   # gpt-oss M = 4096: parts of 128 / 96 / 64 / 32 tokens (the rule adds 160)
     forced = plan_override(tile="exact-m128n128k128+m128n96k128+m128n64k256+m128n32k256")(rows, experts)
     assert all("_m128" in c for part in forced.parts for c in part[:2])
-    assert [part[2:] for part in forced.parts] == [part[2:] for part in _gemm.plan(rows, experts).parts]
+    assert [part[2:] for part in forced.parts] == [part[2:] for part in _gemm.split_plan(rows, experts, _gemm.SPLIT_TILES).parts]
 
 
 def test_gemm2_min_k_moves_gemm2s_wide_parts_only():
     rows, experts, ks = 4096 * 4, 128, (2880, 2880)   # gpt-oss M = 4096
     rule = _gemm.plan(rows, experts, ks=ks)
     kept = plan_override(gemm2_min_k=1 << 20)(rows, experts, ks=ks)
-    assert [p[1] for p in rule.parts[:2]] == ["moe_gemm2_m192n128k128_coop", "moe_gemm2_m192n96k128_coop"]
-    assert [p[1] for p in kept.parts[:2]] == ["moe_gemm2_m128n128k128_coop", "moe_gemm2_m128n96k128_coop"]
-    assert [p[0] for p in kept.parts] == [p[0] for p in rule.parts] and kept.parts[2:] == rule.parts[2:]
-    assert plan_override(gemm2_min_k=768)(rows, experts, ks=(2048, 768)).parts[0][1] == "moe_gemm2_m192n128k128_coop"
+    # parts[0] is the 160-token part, on 128 rows either way
+    assert [p[1] for p in rule.parts[1:3]] == ["moe_gemm2_m192n128k128_coop", "moe_gemm2_m192n96k128_coop"]
+    assert [p[1] for p in kept.parts[1:3]] == ["moe_gemm2_m128n128k128_coop", "moe_gemm2_m128n96k128_coop"]
+    assert [p[0] for p in kept.parts] == [p[0] for p in rule.parts] and kept.parts[3:] == rule.parts[3:]
+    assert kept.parts[0] == rule.parts[0]
+    assert plan_override(gemm2_min_k=768)(rows, experts, ks=(2048, 768)).parts[1][1] == "moe_gemm2_m192n128k128_coop"
     with pytest.raises(ValueError, match="exclude"):
         plan_override(tall="11", gemm2_min_k=768)

@@ -86,7 +86,7 @@ int32_t mc_sm90_moe_decode_k1024_max_slots(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -118,7 +118,7 @@ size_t mc_sm90_moe_gemm1_m128n32k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -150,7 +150,7 @@ size_t mc_sm90_moe_gemm2_m128n32k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -182,7 +182,7 @@ size_t mc_sm90_moe_gemm1_m128n64k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -214,7 +214,7 @@ size_t mc_sm90_moe_gemm2_m128n64k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -246,7 +246,7 @@ size_t mc_sm90_moe_gemm1_m128n96k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -278,7 +278,7 @@ size_t mc_sm90_moe_gemm2_m128n96k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -310,7 +310,7 @@ size_t mc_sm90_moe_gemm1_m128n128k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -342,7 +342,7 @@ size_t mc_sm90_moe_gemm2_m128n128k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -374,7 +374,7 @@ size_t mc_sm90_moe_gemm1_m128n16k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -406,7 +406,7 @@ size_t mc_sm90_moe_gemm2_m128n16k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -438,7 +438,7 @@ size_t mc_sm90_moe_gemm1_m128n8k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -470,7 +470,7 @@ size_t mc_sm90_moe_gemm2_m128n8k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -502,7 +502,7 @@ size_t mc_sm90_moe_gemm1_m128n32k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -534,7 +534,7 @@ size_t mc_sm90_moe_gemm2_m128n32k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -566,7 +566,7 @@ size_t mc_sm90_moe_gemm1_m128n64k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -598,7 +598,7 @@ size_t mc_sm90_moe_gemm2_m128n64k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -630,7 +630,7 @@ size_t mc_sm90_moe_gemm1_m192n8k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -662,7 +662,7 @@ size_t mc_sm90_moe_gemm2_m192n8k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -694,7 +694,7 @@ size_t mc_sm90_moe_gemm1_m192n16k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -726,7 +726,7 @@ size_t mc_sm90_moe_gemm2_m192n16k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -758,7 +758,7 @@ size_t mc_sm90_moe_gemm1_m192n32k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -790,7 +790,7 @@ size_t mc_sm90_moe_gemm2_m192n32k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -822,7 +822,7 @@ size_t mc_sm90_moe_gemm1_m192n64k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -854,7 +854,7 @@ size_t mc_sm90_moe_gemm2_m192n64k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -886,7 +886,7 @@ size_t mc_sm90_moe_gemm1_m192n8k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -918,7 +918,7 @@ size_t mc_sm90_moe_gemm2_m192n8k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -950,7 +950,7 @@ size_t mc_sm90_moe_gemm1_m192n96k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -982,7 +982,7 @@ size_t mc_sm90_moe_gemm2_m192n96k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1014,7 +1014,7 @@ size_t mc_sm90_moe_gemm1_m192n128k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1046,7 +1046,7 @@ size_t mc_sm90_moe_gemm2_m192n128k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1078,7 +1078,7 @@ size_t mc_sm90_moe_gemm1_m192n32k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1110,7 +1110,7 @@ size_t mc_sm90_moe_gemm2_m192n32k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1142,7 +1142,7 @@ size_t mc_sm90_moe_gemm1_m192n64k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1167,6 +1167,70 @@ size_t mc_sm90_moe_gemm2_m192n64k256_coop_workspace_size(int32_t E, int32_t num_
  * build report lists it, since ptxas reports static shared memory only. Host only. */
 size_t mc_sm90_moe_gemm2_m192n64k256_coop_shared_memory_bytes(void);
 
+/* moe_gemm1_m128n160k128_coop (moe_gemm.h.j2) */
+/* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n160k128_coop: GEMM1, tile 128x160x128, cooperative.
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
+ * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
+ * expert offset: rows past an expert are read and masked), row stride K;
+ * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
+ * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
+ *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
+ * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
+ * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
+ *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n160k128_coop_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
+int mc_sm90_moe_gemm1_m128n160k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
+                       int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
+/* Workspace bytes of mc_sm90_moe_gemm1_m128n160k128_coop for E experts on a device with num_sms SMs. Host only. */
+size_t mc_sm90_moe_gemm1_m128n160k128_coop_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm1_m128n160k128_coop's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm1_m128n160k128_coop_shared_memory_bytes(void);
+
+/* moe_gemm2_m128n160k128_coop (moe_gemm.h.j2) */
+/* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n160k128_coop: GEMM2, tile 128x160x128, cooperative.
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
+ * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
+ * expert offset: rows past an expert are read and masked), row stride K;
+ * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
+ * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
+ *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
+ * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
+ * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
+ *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n160k128_coop_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
+int mc_sm90_moe_gemm2_m128n160k128_coop(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
+                       int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
+/* Workspace bytes of mc_sm90_moe_gemm2_m128n160k128_coop for E experts on a device with num_sms SMs. Host only. */
+size_t mc_sm90_moe_gemm2_m128n160k128_coop_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm2_m128n160k128_coop's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm2_m128n160k128_coop_shared_memory_bytes(void);
+
 /* moe_gemm1_m128n128k128_coop_c2 (moe_gemm.h.j2) */
 /* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n128k128_coop_c2: GEMM1, tile 128x128x128, cooperative.
  * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
@@ -1174,7 +1238,7 @@ size_t mc_sm90_moe_gemm2_m192n64k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1206,7 +1270,7 @@ size_t mc_sm90_moe_gemm1_m128n128k128_coop_c2_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1238,7 +1302,7 @@ size_t mc_sm90_moe_gemm2_m128n128k128_coop_c2_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1270,7 +1334,7 @@ size_t mc_sm90_moe_gemm1_m192n128k128_coop_c2_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
