@@ -135,6 +135,10 @@ def test_plan_splits_only_above_the_streaming_tiles():
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(1024 * 4, 128).parts] == [64, 32]      # gpt-oss
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(1024 * 8, 128).parts] == [96, 64]      # qwen3
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(4096 * 4, 128).parts] == [160, 128, 96, 64, 32]
+    # the 160-token part where the spread passes 128 rows per expert, up to WIDE_MAX_ROWS on average
+    assert _gemm.plan(4096 * 8, 128).chunk == 160 == _gemm.plan(2048 * 8, 128).chunk         # qwen3 M = 4096, 2048
+    assert _gemm.plan(4096 * 6, 256).chunk == 128 == _gemm.plan(8192 * 8, 128).chunk         # dsv4-flash M = 4096, qwen3 M = 8192
+    assert _gemm.WIDE_TILE not in str(_gemm.plan(8192 * 8, 128)) + str(_gemm.plan(4096 * 6, 256))
     assert _gemm.plan(4096 * 4, 128, batch_invariant=True) == _gemm.single("moe_gemm1_m128n128k128_coop")
     every = [f"moe_gemm1_{t}" for t in _gemm.SPLIT_TILES]   # GEMM1 names, as ops passes configs_of(1)
     assert len(_gemm.plan(4096 * 4, 128, available=every).parts) == 4

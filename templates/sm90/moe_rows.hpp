@@ -16,14 +16,17 @@
 #include <cstdint>
 
 #include "cutlass/cutlass.h"
+#include "cutlass/fast_math.h"
 
 namespace moe_cutlass {
 
 struct MoeRowWindow {
   // Any chunk, not only powers of two: the 160-token part's chunk of 160 rows (_gemm.split_plan) keeps an
-  // expert of 208-304 rows (qwen3 at M = 4096) in two tiles where 128-row chunks need three. The modulo is
-  // paid once per expert per scheduler walk (moe_gemm_launch.hpp, MoeProblemShape).
+  // expert of 208-304 rows (qwen3 at M = 4096) in two tiles where 128-row chunks need three. The remainder
+  // by the host's multiply-shift (FastDivmod: IMAD.HI, SHF, IMAD), not a division, because the tile
+  // scheduler walks every expert through here (moe_gemm_launch.hpp, MoeProblemShape).
   int32_t chunk = 1 << 30;
+  cutlass::FastDivmod chunk_divmod{1 << 30};
   int32_t rem_lo = 0;
   int32_t rem_hi = 1 << 30;
 
@@ -36,7 +39,8 @@ struct MoeRowWindow {
       return;
     }
     int32_t const r = hi - lo;
-    int32_t const rem = int32_t(uint32_t(r) % uint32_t(chunk));
+    int32_t quotient, rem;
+    chunk_divmod(quotient, rem, r);
     bool const full = rem_hi == chunk;
     int32_t const take_rem = (rem > rem_lo && rem <= rem_hi) ? rem : 0;
     first = full ? lo : lo + (r - rem);
@@ -50,6 +54,7 @@ struct MoeRowWindow {
   static MoeRowWindow make(int32_t chunk, int32_t lo, int32_t hi) {
     MoeRowWindow w;
     w.chunk = chunk;
+    w.chunk_divmod = cutlass::FastDivmod(chunk);
     w.rem_lo = lo;
     w.rem_hi = hi;
     return w;
