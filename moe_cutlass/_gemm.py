@@ -100,46 +100,47 @@ SPREAD_SDS = 3.0
 # per expert: waste 1.52 -> 1.16 under Dirichlet routing in the tile_waste simulation), and a part
 # without rows costs a few microseconds against layers of 2.5 ms and more there.
 ALL_PARTS_ROWS = 96
-# The 160-token part (128 rows: 80 accumulator registers a thread, too many for the 192-row tiles' 152)
-# where the spread's top passes the 128-token tile, up to WIDE_MAX_HI rows per expert (about 98-155 rows on
-# average): the parts 160 / 128 / 96 / 64 over chunks of 256 rows, so an expert's 129-160 rows go in one tile
-# where 128-row chunks add a second, nearly empty one that streams and converts the expert's weights again
-# (gpt-oss and dsv3 at M = 4096: 1.48 -> 1.00 weight passes per active expert under bench_moe's routing).
-# Layers in graph replay against the 128-row chunks, five rounds in two orders (benchmarks/results/raw/
-# bench_20261202T124*Z_{o29,w29}_r*_wide_tile_ab.json, a chunk of 160 rows there: the same tiles for every
-# expert of up to 255 rows but those of 161-255, which the spread leaves out): gpt-oss M = 4096 -13.0 / -13.3%,
-# dsv3 -8.5 / -9.2%, qwen3 M = 2048 -3.3 / -3.2%. Where the spread reaches further (qwen3 M = 4096, 208-304 rows:
-# -1.4 / -1.5% with chunks of 160; every shape at M = 8192 and 16384: -1.1..+3.5%, within the spread of
-# unchanged plans in the same runs) the 128-row chunks stay: a chunk of 160 needs a modulo in the kernels' row
-# windows, which cost the 8-token tile's single launches 3.1-3.9% at M = 256 (NOTES.md 2026-12-02 (28)).
-WIDE_TILES = ("m128n160k128_coop", "m128n128k128_coop", "m128n96k128_coop", "m128n64k256_coop")
-WIDE_MAX_HI = 192
+# The 160-token part (128 rows: 80 accumulator registers a thread, too many for the 192-row tiles' 152),
+# where an expert's rows spread past 128 (the spread's top above the 128-token tile) and the mean is at
+# most WIDE_MAX_ROWS: a chunk of 160 rows keeps an expert of 129-160 rows in one tile where 128-row chunks
+# add a second, nearly empty one that streams and converts the expert's weights again (dsv3 and gpt-oss
+# at M = 4096: 1.48 -> 1.00 weight passes per expert under bench_moe's routing), and qwen3's 208-304 rows
+# at M = 4096 in two tiles instead of 2.5. Layers in graph replay against the 128-row chunks, the same
+# library, five rounds in two orders (benchmarks/results/raw/bench_20261202T124*Z_{o29,w29}_r*_wide_tile_ab.json):
+# gpt-oss M = 4096 -13.0 / -13.3%, dsv3 M = 4096 -8.5 / -9.2%, qwen3 M = 2048 -3.3 / -3.2%, M = 4096
+# -1.5 / -1.4%; at M = 8192 (192-256 rows per expert) -1.1..+3.5%, within the spread of unchanged plans
+# in the same runs (-2.6..+5.5%), and with the part up to M = 16384 (raw/bench_20261202T1326*Z_{z29,x29}_r*_
+# wide_part_m8192_16384_ab.json) qwen3 M = 8192 +2.5%, M = 16384 -0.3..+3.1%: the part stops at 256 rows per
+# expert. Under skewed routing it keeps the MMA waste (1.12 at M = 4096) with fewer passes (tile_waste); the
+# same parts over chunks of 256 (a power of two, four parts) would pad hot experts' chunks to 160 + 96 (waste
+# 1.35 under Dirichlet routing, NOTES.md 2026-12-02 (28)).
+WIDE_TILE = "m128n160k128_coop"
+WIDE_MAX_ROWS = 256
 
 
 def split_plan(rows: int, num_experts: int, tiles=None) -> Plan:
-    """Parts of token tiles 128 / 96 / 64 / 32 (160 / 128 / 96 / 64: WIDE_TILES) that the device chooses between
-    per expert: each expert's full 128-row (256-row) chunks and a remainder above 96 (128) in the largest tile, a remainder in
+    """Parts of token tiles (160 /) 128 / 96 / 64 / 32 that the device chooses between per expert: each
+    expert's full 128-row (160-row: WIDE_TILE) chunks and a remainder above 96 (128) in the largest tile, a remainder in
     (64, 96] in the 96-token tile, and so on down to 32 (KERNEL_NOTES H.4: one tile per launch
     pads 24-48% of the MMA work at M = 4096, or makes half the experts stream and convert their
     weights twice at the M = 1024 ridge). Parts that no expert within the expected spread of rows
     needs are left out (a launch without rows still costs a few microseconds), their windows
     merged into the next larger part's; the chunk is the smallest power-of-two tile above the
-    spread, else the largest tile's power of two. Skewed routing is still right, its outliers in larger or
-    more tiles than they need. tiles: the config suffixes to combine, largest first (default SPLIT_TILES, or
-    WIDE_TILES where the spread's top lies above 128 rows and at most WIDE_MAX_HI)."""
+    spread, else the largest tile. Skewed routing is still right, its outliers in larger or more tiles
+    than they need. tiles: the config suffixes to combine, largest first (default SPLIT_TILES, with
+    WIDE_TILE ahead of them up to WIDE_MAX_ROWS rows per expert)."""
     mean = rows / max(1, num_experts)
     lo, hi = max(0.0, mean - SPREAD_SDS * math.sqrt(mean)), mean + SPREAD_SDS * math.sqrt(mean)
     if tiles is None:
-        tiles = WIDE_TILES if tile_n(SPLIT_TILES[0]) < hi <= WIDE_MAX_HI else SPLIT_TILES
+        tiles = (WIDE_TILE, *SPLIT_TILES) if mean <= WIDE_MAX_ROWS else SPLIT_TILES
     tiles = tuple(tiles)
     sizes = [tile_n(t) for t in tiles]
-    # The chunk must be a power of two (templates/sm90/moe_rows.hpp): the smallest power-of-two tile above
-    # the spread, else the largest tile rounded up to a power of two (160 -> 256).
-    chunk = next((n for n in reversed(sizes) if n >= hi and n & (n - 1) == 0), 1 << (sizes[0] - 1).bit_length())
+    # the smallest power-of-two tile above the spread, else the largest tile (160 with WIDE_TILE)
+    chunk = next((n for n in reversed(sizes) if n >= hi and n & (n - 1) == 0), sizes[0])
     needed = {chunk} if hi >= chunk else set()   # full chunks expected
     for r in range(int(lo), int(math.ceil(hi)) + 1):
         if r % chunk:
-            needed.add(min((n for n in sizes if n >= r % chunk), default=sizes[0]))
+            needed.add(min(n for n in sizes if n >= r % chunk))
     # The largest kept part also takes the full chunks and any remainder above it (its window ends
     # at the chunk): rows past the expected spread, in more than one of its tiles.
     kept = [(t, n) for t, n in zip(tiles, sizes) if n <= chunk and (n in needed or mean >= ALL_PARTS_ROWS)]
@@ -244,9 +245,10 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
         p = single(config)
         rule = BOTH_TALL if tile_n(config) == 8 and per_expert >= TALL_STREAM_MIN_ROWS else NO_TALL
     else:
-        if split_tiles is None and available is not None and f"moe_gemm1_{WIDE_TILES[0]}" not in available:
-            split_tiles = SPLIT_TILES   # a library built before the 160-token tile
-        p, rule = split_plan(rows, num_experts, split_tiles), BOTH_TALL
+        tiles = split_tiles
+        if tiles is None and available is not None and f"moe_gemm1_{WIDE_TILE}" not in available:
+            tiles = SPLIT_TILES   # a library built before the 160-token tile
+        p, rule = split_plan(rows, num_experts, tiles), BOTH_TALL
         if available is not None and not all(part[0] in available for part in p.parts):
             p, rule = single(pick_config(1, rows, num_experts, available, batch_invariant)), NO_TALL
     if batch_invariant:

@@ -150,7 +150,7 @@ def _check_weights(experts, device) -> None:
 # ---- the kernels ----
 
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
-MAX_GEMM_PARTS = 4   # MC_MAX_GEMM_PARTS
+MAX_GEMM_PARTS = 5   # MC_MAX_GEMM_PARTS
 
 
 class GemmPlan(ctypes.Structure):

@@ -27,8 +27,8 @@ def test_candidates_keep_their_own_times():
 def test_labels_keep_a_192_row_tile_apart():
     assert label(_gemm.single("moe_gemm1_m128n64k256_coop")) == "n64k256"
     assert label(_gemm.single("moe_gemm1_m192n64k128_coop")) == "m192n64k128"
-    assert label(_gemm.plan(4096 * 4, 128)) == "plan:n160+n128t/n128+n96t/n96+n64t"
-    assert label(_gemm.plan(4096 * 4, 128, tall_tiles=_gemm.NO_TALL)) == "plan:n160+n128+n96+n64"
+    assert label(_gemm.plan(4096 * 4, 128)) == "plan:n160+n128t/n128+n96t/n96+n64t+n32t"
+    assert label(_gemm.plan(4096 * 4, 128, tall_tiles=_gemm.NO_TALL)) == "plan:n160+n128+n96+n64+n32"
 
 
 def test_labels_name_each_gemms_tile_where_they_differ():

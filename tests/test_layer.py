@@ -94,10 +94,9 @@ def test_plan_parts_take_every_row_once(shape, M):
     E, k = SHAPE_ROUTES[shape]
     plan = _gemm.plan(M * k, E)
     assert 1 <= len(plan.parts) <= mc.ops.MAX_GEMM_PARTS
-    assert plan.chunk & (plan.chunk - 1) == 0, "MoeRowWindow::valid takes power-of-two chunks only"
     tiles = [_gemm.tile_n(part[0]) for part in plan.parts]
     assert tiles == sorted(tiles, reverse=True) and all(_gemm.tile_n(p[1]) == _gemm.tile_n(p[0]) for p in plan.parts)
-    for rows in range(0, 3 * 256 + 2):
+    for rows in range(0, 3 * 160 + 2):
         taken = []
         for config1, _, lo, hi in plan.parts:
             first, count = _gemm.window_rows(rows, plan.chunk, lo, hi)
@@ -135,11 +134,11 @@ def test_plan_splits_only_above_the_streaming_tiles():
     # the M = 1024 ridge: one part per expert size class, each expert's weights converted once
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(1024 * 4, 128).parts] == [64, 32]      # gpt-oss
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(1024 * 8, 128).parts] == [96, 64]      # qwen3
-    assert [_gemm.tile_n(p[0]) for p in _gemm.plan(4096 * 4, 128).parts] == [160, 128, 96, 64]
-    # the 160-token part (chunks of 256 rows) where the spread's top lies in (128, WIDE_MAX_HI]
-    assert _gemm.plan(2048 * 8, 128).chunk == 256 == _gemm.plan(4096 * 8, 256).chunk         # qwen3 M = 2048, dsv3 M = 4096
-    assert _gemm.plan(4096 * 6, 256).chunk == 128 == _gemm.plan(4096 * 8, 128).chunk         # dsv4-flash, qwen3 M = 4096
-    assert _gemm.WIDE_TILES[0] not in str(_gemm.plan(4096 * 8, 128)) + str(_gemm.plan(4096 * 6, 256))
+    assert [_gemm.tile_n(p[0]) for p in _gemm.plan(4096 * 4, 128).parts] == [160, 128, 96, 64, 32]
+    # the 160-token part where the spread passes 128 rows per expert, up to WIDE_MAX_ROWS on average
+    assert _gemm.plan(4096 * 8, 128).chunk == 160 == _gemm.plan(2048 * 8, 128).chunk         # qwen3 M = 4096, 2048
+    assert _gemm.plan(4096 * 6, 256).chunk == 128 == _gemm.plan(8192 * 8, 128).chunk         # dsv4-flash M = 4096, qwen3 M = 8192
+    assert _gemm.WIDE_TILE not in str(_gemm.plan(8192 * 8, 128)) + str(_gemm.plan(4096 * 6, 256))
     assert _gemm.plan(4096 * 4, 128, batch_invariant=True) == _gemm.single("moe_gemm1_m128n128k128_coop")
     every = [f"moe_gemm1_{t}" for t in _gemm.SPLIT_TILES]   # GEMM1 names, as ops passes configs_of(1)
     assert len(_gemm.plan(4096 * 4, 128, available=every).parts) == 4
@@ -183,7 +182,7 @@ def test_split_parts_run_on_192_rows_where_the_library_holds_them():
     assert [(c1[len("moe_gemm1_"):], c2[len("moe_gemm2_"):]) for c1, c2, _, _ in parts] == [
         ("m128n160k128_coop",) * 2,
         ("m192n128k128_coop", "m128n128k128_coop"), ("m192n96k128_coop", "m128n96k128_coop"),
-        ("m192n64k128_coop",) * 2]
+        ("m192n64k128_coop",) * 2, ("m192n32k128_coop",) * 2]
     assert [p[2:] for p in parts] == [p[2:] for p in _gemm.split_plan(4096 * 4, 128).parts]
     no_wide = [f"moe_gemm1_{t}" for t in (*_gemm.SPLIT_TILES, *_gemm.TALL_TILES.values())]
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(4096 * 4, 128, available=no_wide).parts if "_m192" in p[0]] == [64, 32]

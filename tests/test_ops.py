@@ -481,10 +481,9 @@ def test_evicted_blocks_go_with_their_graphs_and_calls_stay_right(monkeypatch):
 
 
 def test_a_plan_with_more_parts_than_the_layer_launches_is_refused(monkeypatch):
-    tiles = ("m128n128k128_coop", "m128n96k128_coop", "m128n64k256_coop", "m128n32k256_coop", "m128n16k256_coop")
-    five = _gemm.split_plan(4096 * 4, 128, tiles)
-    assert len(five.parts) == 5 > ops.MAX_GEMM_PARTS
+    six = _gemm.split_plan(4096 * 4, 128, (_gemm.WIDE_TILE, *_gemm.SPLIT_TILES, "m128n16k256_coop"))
+    assert len(six.parts) == 6 > ops.MAX_GEMM_PARTS
     monkeypatch.setattr(_gemm, "configs_of", lambda kind: ())
-    monkeypatch.setattr(_gemm, "plan", lambda *a, **kw: five)
-    with pytest.raises(ValueError, match="5 parts.*at most 4"):
+    monkeypatch.setattr(_gemm, "plan", lambda *a, **kw: six)
+    with pytest.raises(ValueError, match="6 parts.*at most 5"):
         ops._gemms.__wrapped__(4096 * 4, 128, 2880, 2880, False, None, False, None, True)

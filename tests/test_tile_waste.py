@@ -51,10 +51,10 @@ def test_a_split_plan_pads_each_part_to_its_tile():
     padded, tiles = tile_waste.planned(rows, plan)
     assert padded.tolist() == [256 + 64, 128 + 32, 128, 96, 64, 64, 32, 0]
     assert tiles.tolist() == [3, 2, 1, 1, 1, 1, 1, 0]
-    # the default at 128 rows per expert: chunks of 256, 160 (full chunks, rest > 128), 128, 96, 64 (1..64)
+    # the default at 128 rows per expert: a chunk of 160, its remainders above 128 in the 160-token tile
     padded, tiles = tile_waste.planned(rows, _gemm.split_plan(4096 * 4, 128))
-    assert padded.tolist() == [160 + 160 + 64, 160, 128, 96, 64, 64, 64, 0]
-    assert tiles.tolist() == [3, 1, 1, 1, 1, 1, 1, 0]
+    assert padded.tolist() == [160 + 160, 160, 128, 96, 64, 64, 32, 0]
+    assert tiles.tolist() == [2, 1, 1, 1, 1, 1, 1, 0]
     single = _gemm.single("moe_gemm1_m128n64k128_coop")
     assert tile_waste.planned(torch.tensor([130]), single)[0].tolist() == [192]
 

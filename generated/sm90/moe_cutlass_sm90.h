@@ -86,7 +86,7 @@ int32_t mc_sm90_moe_decode_k1024_max_slots(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -118,7 +118,7 @@ size_t mc_sm90_moe_gemm1_m128n32k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -150,7 +150,7 @@ size_t mc_sm90_moe_gemm2_m128n32k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -182,7 +182,7 @@ size_t mc_sm90_moe_gemm1_m128n64k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -214,7 +214,7 @@ size_t mc_sm90_moe_gemm2_m128n64k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -246,7 +246,7 @@ size_t mc_sm90_moe_gemm1_m128n96k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -278,7 +278,7 @@ size_t mc_sm90_moe_gemm2_m128n96k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -310,7 +310,7 @@ size_t mc_sm90_moe_gemm1_m128n128k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -342,7 +342,7 @@ size_t mc_sm90_moe_gemm2_m128n128k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -374,7 +374,7 @@ size_t mc_sm90_moe_gemm1_m128n16k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -406,7 +406,7 @@ size_t mc_sm90_moe_gemm2_m128n16k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -438,7 +438,7 @@ size_t mc_sm90_moe_gemm1_m128n8k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -470,7 +470,7 @@ size_t mc_sm90_moe_gemm2_m128n8k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -502,7 +502,7 @@ size_t mc_sm90_moe_gemm1_m128n32k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -534,7 +534,7 @@ size_t mc_sm90_moe_gemm2_m128n32k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -566,7 +566,7 @@ size_t mc_sm90_moe_gemm1_m128n64k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -598,7 +598,7 @@ size_t mc_sm90_moe_gemm2_m128n64k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -630,7 +630,7 @@ size_t mc_sm90_moe_gemm1_m192n8k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -662,7 +662,7 @@ size_t mc_sm90_moe_gemm2_m192n8k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -694,7 +694,7 @@ size_t mc_sm90_moe_gemm1_m192n16k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -726,7 +726,7 @@ size_t mc_sm90_moe_gemm2_m192n16k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -758,7 +758,7 @@ size_t mc_sm90_moe_gemm1_m192n32k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -790,7 +790,7 @@ size_t mc_sm90_moe_gemm2_m192n32k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -822,7 +822,7 @@ size_t mc_sm90_moe_gemm1_m192n64k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -854,7 +854,7 @@ size_t mc_sm90_moe_gemm2_m192n64k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -886,7 +886,7 @@ size_t mc_sm90_moe_gemm1_m192n8k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -918,7 +918,7 @@ size_t mc_sm90_moe_gemm2_m192n8k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -950,7 +950,7 @@ size_t mc_sm90_moe_gemm1_m192n96k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -982,7 +982,7 @@ size_t mc_sm90_moe_gemm2_m192n96k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1014,7 +1014,7 @@ size_t mc_sm90_moe_gemm1_m192n128k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1046,7 +1046,7 @@ size_t mc_sm90_moe_gemm2_m192n128k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1078,7 +1078,7 @@ size_t mc_sm90_moe_gemm1_m192n32k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1110,7 +1110,7 @@ size_t mc_sm90_moe_gemm2_m192n32k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1142,7 +1142,7 @@ size_t mc_sm90_moe_gemm1_m192n64k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1174,7 +1174,7 @@ size_t mc_sm90_moe_gemm2_m192n64k256_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1206,7 +1206,7 @@ size_t mc_sm90_moe_gemm1_m128n160k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1238,7 +1238,7 @@ size_t mc_sm90_moe_gemm2_m128n160k128_coop_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1270,7 +1270,7 @@ size_t mc_sm90_moe_gemm1_m128n128k128_coop_c2_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1302,7 +1302,7 @@ size_t mc_sm90_moe_gemm2_m128n128k128_coop_c2_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
@@ -1334,7 +1334,7 @@ size_t mc_sm90_moe_gemm1_m192n128k128_coop_c2_shared_memory_bytes(void);
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).

@@ -10,7 +10,7 @@ extern "C" {
  * expert offset: rows past an expert are read and masked), row stride K;
  * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
  * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
- *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); row_chunk a power of two <= 2^30,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
  *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
  * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
  *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).

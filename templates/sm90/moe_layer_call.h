@@ -30,7 +30,7 @@ typedef int (*McGemmFn)(const void* w_blocks, const void* w_scales, const float*
  * pdl: 1 launches every kernel of the layer after the first as a programmatic dependent launch on the one
  * before (templates/sm90/pdl.cuh), 0 in plain stream order (per-kernel profiles: a dependent kernel's time
  * would include its wait). */
-#define MC_MAX_GEMM_PARTS 4
+#define MC_MAX_GEMM_PARTS 5
 struct McGemmPlan {
   McGemmFn gemm1[MC_MAX_GEMM_PARTS];
   McGemmFn gemm2[MC_MAX_GEMM_PARTS];

@@ -4,7 +4,7 @@
 // the MMA work (a nearly empty second 128-token tile for half the experts at M = 4096: 1.24-1.50x
 // the useful work, benchmarks/NOTES.md tile waste) or makes the busier experts stream and convert
 // their weights twice (the M = 1024 ridge). Only the device knows each expert's rows, so a layer
-// call launches each GEMM as up to three parts with token tiles of decreasing size, and each part
+// call launches each GEMM as up to five parts (MC_MAX_GEMM_PARTS) with token tiles of decreasing size, and each part
 // takes, of every expert's r rows, a window decided here from r alone:
 //   the remainder r % chunk when rem_lo < r % chunk <= rem_hi,
 //   the full chunks (r - r % chunk rows) too when rem_hi == chunk (the largest part),
@@ -16,11 +16,17 @@
 #include <cstdint>
 
 #include "cutlass/cutlass.h"
+#include "cutlass/fast_math.h"
 
 namespace moe_cutlass {
 
 struct MoeRowWindow {
-  int32_t chunk_log2 = 30;   // chunk = 2^chunk_log2 rows
+  // Any chunk, not only powers of two: the 160-token part's chunk of 160 rows (_gemm.split_plan) keeps an
+  // expert of 208-304 rows (qwen3 at M = 4096) in two tiles where 128-row chunks need three. The remainder
+  // by the host's multiply-shift (FastDivmod: IMAD.HI, SHF, IMAD), not a division, because the tile
+  // scheduler walks every expert through here (moe_gemm_launch.hpp, MoeProblemShape).
+  int32_t chunk = 1 << 30;
+  cutlass::FastDivmod chunk_divmod{1 << 30};
   int32_t rem_lo = 0;
   int32_t rem_hi = 1 << 30;
 
@@ -33,22 +39,22 @@ struct MoeRowWindow {
       return;
     }
     int32_t const r = hi - lo;
-    int32_t const chunk = int32_t(1) << chunk_log2;
-    int32_t const rem = r & (chunk - 1);
+    int32_t quotient, rem;
+    chunk_divmod(quotient, rem, r);
     bool const full = rem_hi == chunk;
     int32_t const take_rem = (rem > rem_lo && rem <= rem_hi) ? rem : 0;
     first = full ? lo : lo + (r - rem);
     count = (full ? r - rem : 0) + take_rem;
   }
 
-  // A window the host may pass: chunk a power of two up to 2^30, 0 <= rem_lo < rem_hi <= chunk.
+  // A window the host may pass: 0 < chunk <= 2^30, 0 <= rem_lo < rem_hi <= chunk.
   static bool valid(int32_t chunk, int32_t lo, int32_t hi) {
-    return chunk > 0 && chunk <= (1 << 30) && (chunk & (chunk - 1)) == 0 && lo >= 0 && lo < hi && hi <= chunk;
+    return chunk > 0 && chunk <= (1 << 30) && lo >= 0 && lo < hi && hi <= chunk;
   }
   static MoeRowWindow make(int32_t chunk, int32_t lo, int32_t hi) {
     MoeRowWindow w;
-    w.chunk_log2 = 0;
-    while ((int32_t(1) << w.chunk_log2) < chunk) ++w.chunk_log2;
+    w.chunk = chunk;
+    w.chunk_divmod = cutlass::FastDivmod(chunk);
     w.rem_lo = lo;
     w.rem_hi = hi;
     return w;
