@@ -301,14 +301,17 @@ def test_activations(activation, limit, with_bias, config):
     assert relerr(out[:sum(counts)].cpu(), ref) < 1e-2
 
 
+@pytest.mark.parametrize("rows, tiles, chunk", [(4096 * 4, [160, 128, 96, 64, 32], 160),
+                                                 (16384 * 8, [128, 96, 64, 32], 128)])
 @pytest.mark.parametrize("kind", [1, 2])
-def test_row_windows_take_their_rows_only(kind):
-    """A split plan's parts (templates/sm90/moe_rows.hpp): each launch writes exactly the rows its
-    window takes of every expert (the rest stay poisoned), and the parts together match the
-    reference; row counts around every window edge."""
+def test_row_windows_take_their_rows_only(kind, rows, tiles, chunk):
+    """A split plan's parts (templates/sm90/moe_rows.hpp), over chunks of 160 and of 128 rows: each
+    launch writes exactly the rows its window takes of every expert (the rest stay poisoned), and the
+    parts together match the reference; row counts around every window edge. The window of a chunk of
+    one row takes every row, as ALL_ROWS does."""
     g = _gemm()
-    plan = g.split_plan(4096 * 4, 128)
-    assert [g.tile_n(part[0]) for part in plan.parts] == [160, 128, 96, 64, 32] and plan.chunk == 160
+    plan = g.split_plan(rows, 128)
+    assert [g.tile_n(part[0]) for part in plan.parts] == tiles and plan.chunk == chunk
     gen = torch.Generator().manual_seed(11 + kind)
     counts = [0, 5, 32, 33, 64, 65, 127, 128, 129, 200, 300, 1, 160, 159, 161, 320, 321, 289]
     E, total, H, I = len(counts), sum(counts), 160, 96
@@ -318,9 +321,9 @@ def test_row_windows_take_their_rows_only(kind):
     x = torch.randn(total, K, generator=gen).to(torch.bfloat16)
     w = torch.rand(total, generator=gen)
 
-    def run(part, out=None):
+    def run(part, out=None, window=None):
         config = part[kind - 1]
-        window = (plan.chunk, part[2], part[3])
+        window = window or (plan.chunk, part[2], part[3])
         if kind == 1:
             return run_gemm1(blocks, scales, bias, x, counts, config=config, window=window, out=out)
         return run_gemm2(blocks, scales, bias, x, counts, w, config=config, window=window, out=out)
@@ -342,6 +345,8 @@ def test_row_windows_take_their_rows_only(kind):
         ref = ref_gemm2(dequant(blocks, scales), bias, x, w, counts)
     assert not torch.isnan(out[:total].float()).any() and torch.isnan(out[total:].float()).all()
     assert relerr(out[:total].cpu(), ref) < 1e-2
+    assert torch.equal(run(plan.parts[0], window=(1, 0, 1)).view(torch.int16),
+                       run(plan.parts[0], window=g.ALL_ROWS).view(torch.int16))
 
 
 @pytest.mark.parametrize("config", CONFIGS1 + CONFIGS2)

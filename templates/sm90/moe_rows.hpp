@@ -16,17 +16,20 @@
 #include <cstdint>
 
 #include "cutlass/cutlass.h"
-#include "cutlass/fast_math.h"
 
 namespace moe_cutlass {
 
 struct MoeRowWindow {
   // Any chunk, not only powers of two: the 160-token part's chunk of 160 rows (_gemm.split_plan) keeps an
   // expert of 208-304 rows (qwen3 at M = 4096) in two tiles where 128-row chunks need three. The remainder
-  // by the host's multiply-shift (FastDivmod: IMAD.HI, SHF, IMAD), not a division, because the tile
-  // scheduler walks every expert through here (moe_gemm_launch.hpp, MoeProblemShape).
+  // by the host's multiply-shift (CUTLASS FastDivmod's, for r < 2^31: IMAD.HI, SHF, IMAD), never a
+  // division: the tile scheduler walks every expert through here (moe_gemm_launch.hpp, MoeProblemShape).
+  // Without FastDivmod's divisor-1 case: its test made the multiplier's and shift's loads predicated and
+  // dependent on the divisor's, and cost the 16-token tile's single launches 3-4% at M = 256 against a mask
+  // (benchmarks/NOTES.md 2026-12-02 (28)); a chunk of 1 (every row in full chunks) is the window of 2^30.
   int32_t chunk = 1 << 30;
-  cutlass::FastDivmod chunk_divmod{1 << 30};
+  uint32_t multiplier = 1u << 31;
+  uint32_t shift = 29;
   int32_t rem_lo = 0;
   int32_t rem_hi = 1 << 30;
 
@@ -39,8 +42,12 @@ struct MoeRowWindow {
       return;
     }
     int32_t const r = hi - lo;
-    int32_t quotient, rem;
-    chunk_divmod(quotient, rem, r);
+#if defined(__CUDA_ARCH__)
+    int32_t const quotient = int32_t(__umulhi(uint32_t(r), multiplier) >> shift);
+#else
+    int32_t const quotient = int32_t(((uint64_t(uint32_t(r)) * multiplier) >> 32) >> shift);
+#endif
+    int32_t const rem = r - quotient * chunk;
     bool const full = rem_hi == chunk;
     int32_t const take_rem = (rem > rem_lo && rem <= rem_hi) ? rem : 0;
     first = full ? lo : lo + (r - rem);
@@ -52,11 +59,16 @@ struct MoeRowWindow {
     return chunk > 0 && chunk <= (1 << 30) && lo >= 0 && lo < hi && hi <= chunk;
   }
   static MoeRowWindow make(int32_t chunk, int32_t lo, int32_t hi) {
-    MoeRowWindow w;
-    w.chunk = chunk;
-    w.chunk_divmod = cutlass::FastDivmod(chunk);
-    w.rem_lo = lo;
-    w.rem_hi = hi;
+    MoeRowWindow w;   // (1, 0, 1), the only window of chunk 1, takes every row: the default's
+    if (chunk > 1) {
+      uint32_t log2 = 0;   // ceil(log2(chunk))
+      while ((int64_t(1) << log2) < chunk) ++log2;
+      w.chunk = chunk;
+      w.multiplier = uint32_t(((uint64_t(1) << (31 + log2)) + uint64_t(chunk) - 1) / uint64_t(chunk));
+      w.shift = log2 - 1;
+      w.rem_lo = lo;
+      w.rem_hi = hi;
+    }
     return w;
   }
 };
