@@ -1359,6 +1359,70 @@ size_t mc_sm90_moe_gemm2_m192n128k128_coop_c2_workspace_size(int32_t E, int32_t 
  * build report lists it, since ptxas reports static shared memory only. Host only. */
 size_t mc_sm90_moe_gemm2_m192n128k128_coop_c2_shared_memory_bytes(void);
 
+/* moe_gemm1_m128n160k128_coop_c2 (moe_gemm.h.j2) */
+/* MXFP4 x BF16 MoE grouped GEMM moe_gemm1_m128n160k128_coop_c2: GEMM1, tile 128x160x128, cooperative.
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
+ * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
+ * expert offset: rows past an expert are read and masked), row stride K;
+ * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
+ * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
+ *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
+ * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
+ * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
+ *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm1_m128n160k128_coop_c2_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
+int mc_sm90_moe_gemm1_m128n160k128_coop_c2(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
+                       int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
+/* Workspace bytes of mc_sm90_moe_gemm1_m128n160k128_coop_c2 for E experts on a device with num_sms SMs. Host only. */
+size_t mc_sm90_moe_gemm1_m128n160k128_coop_c2_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm1_m128n160k128_coop_c2's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm1_m128n160k128_coop_c2_shared_memory_bytes(void);
+
+/* moe_gemm2_m128n160k128_coop_c2 (moe_gemm.h.j2) */
+/* MXFP4 x BF16 MoE grouped GEMM moe_gemm2_m128n160k128_coop_c2: GEMM2, tile 128x160x128, cooperative.
+ * Weights in the prepared layout of moe_cutlass/layout.py (blocks [E, Npad/64, Kp/64, 2048], scales [E, Npad/64, Kp/64, 128],
+ * Npad = roundup(N, 128), Kp = roundup(K, 64)); act bf16 [act_rows, K] in expert order (act_rows >= the last
+ * expert offset: rows past an expert are read and masked), row stride K;
+ * expert_offsets int32 [E+1] on the device (exclusive prefix sums of the per-expert row counts).
+ * The launch takes, of each expert's r rows, the remainder r % row_chunk when rem_lo < r % row_chunk <= rem_hi,
+ *   and the full chunks too when rem_hi == row_chunk (moe_rows.hpp); 0 < row_chunk <= 2^30,
+ *   0 <= rem_lo < rem_hi <= row_chunk. (row_chunk, 0, row_chunk) takes every row.
+ * GEMM1 (kind 1): out bf16 [rows, N/2] = act(W13 x + b13), N = 2I, activation 0 silu / 1 swiglu_oai,
+ *   swiglu_limit = +inf for none, row_weights ignored (may be NULL).
+ * GEMM2 (kind 2): out bf16 [rows, N] = row_weights[r] * (W2 x + b2), row_weights float32 [rows].
+ * scale_max: the largest scale byte of w_scales (layout.py's scale_max; 255 is always correct, a byte <= 128
+ *   selects the one-multiply conversion). bias: float32 [E, Npad] in prepared row order, or NULL. N and K multiples of 32 (GEMM1: N multiple of 64).
+ * Pointers 16-byte aligned; workspace >= mc_sm90_moe_gemm2_m128n160k128_coop_c2_workspace_size(E, number of SMs of the device) bytes
+ * (0 today: then workspace may be NULL),
+ * private to this launch until it completes. pdl: 0 an ordinary launch; 1 or 2 a programmatic dependent launch
+ *   on the kernel before it on the stream (templates/sm90/pdl.cuh): 1 reads nothing before that kernel completes,
+ *   2 reads the offsets and loads weights before (the kernel before must not write expert_offsets). Returns a cudaError_t value (cudaErrorInvalidValue for bad
+ * arguments, nothing launched). Host work only reads host memory: CUDA-graph capturable. */
+int mc_sm90_moe_gemm2_m128n160k128_coop_c2(const void* w_blocks, const void* w_scales, const float* bias, const void* act, int32_t act_rows,
+                       const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo, int32_t rem_hi,
+                       const float* row_weights, void* out,
+                       int32_t E, int32_t N, int32_t K, int32_t scale_max, int32_t activation, float swiglu_alpha,
+                       float swiglu_limit, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                       int32_t pdl);
+/* Workspace bytes of mc_sm90_moe_gemm2_m128n160k128_coop_c2 for E experts on a device with num_sms SMs. Host only. */
+size_t mc_sm90_moe_gemm2_m128n160k128_coop_c2_workspace_size(int32_t E, int32_t num_sms);
+/* Dynamic shared memory of mc_sm90_moe_gemm2_m128n160k128_coop_c2's GEMM kernel per CTA (pipeline stages included); the
+ * build report lists it, since ptxas reports static shared memory only. Host only. */
+size_t mc_sm90_moe_gemm2_m128n160k128_coop_c2_shared_memory_bytes(void);
+
 #ifdef __cplusplus
 }
 #endif
