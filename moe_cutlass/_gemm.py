@@ -114,8 +114,8 @@ ALL_PARTS_ROWS = 96
 # expert. Under skewed routing it keeps the MMA waste (1.12 at M = 4096) with fewer passes (tile_waste); the
 # same parts over chunks of 256 (a power of two, four parts) would pad hot experts' chunks to 160 + 96 (waste
 # 1.35 under Dirichlet routing, NOTES.md 2026-12-02 (28)). The any-chunk row window this needs
-# (templates/sm90/moe_rows.hpp) costs the 8-token tile's single launches 3.1-4.2% at M = 256 (gpt-oss,
-# dsv4-flash) and M = 16 0.5-1.6% against the power-of-two mask, measured in both orders.
+# (templates/sm90/moe_rows.hpp) costs the 16-token tile's single launches 1-2% at M = 256 and M = 16 up to
+# 1.5% against the power-of-two mask, measured in both orders (NOTES.md 2026-12-02 (29)).
 WIDE_TILE = "m128n160k128_coop"
 WIDE_MAX_ROWS = 256
 
