@@ -115,6 +115,12 @@
 //     dsv3 M = 256 -3.4 / -1.0%, qwen3 M = 256 GEMM1 -4.9%; gpt-oss (K = 2880, its 16-token tile's MMAs
 //     hidden behind the conversion: NOTES.md 2026-12-01 (14)) and dsv3 M = 1024 within 1%.
 //
+// 13. Every GMMA through mc_token_gmmas (the tiles of one token width at their full width, instead of
+//     cute::gemm over the TiledMma), with each k-block's B descriptor as one 64-bit add (UIADD3.64) where
+//     CuTe's iterator left a UIADD3 and a UMOV of the descriptor's constant upper word per HGMMA: 9 fewer
+//     uniform instructions per 8-GMMA k tile, every GEMM kernel 24-168 instructions shorter (SASS:
+//     benchmarks/NOTES.md 2026-12-02 (29); the layers on the H200: (30)).
+//
 // Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
 // decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
 // bench_20261129T133227Z); the static descriptors (4.) another 3-8% at decode
@@ -172,16 +178,22 @@ CUTLASS_DEVICE void mc_gmma_blocks(FragA const& a, uint64_t desc_b, Accum& acc, 
 }
 
 // The arrive and the GMMAs of one register set's k-blocks (fa: its A words, (4, 1, Count); descs: the
-// stage's B descriptors, from k-block Kb0 on) over the first 8B tokens, k-block kb into chain kb % NumAcc.
+// stage's B descriptors, from k-block Kb0 on) over the first 8B tokens, k-block kb into chain kb % NumAcc;
+// every tile's GMMAs, at full width where it has one (item 13). Each k-block's descriptor is the first's
+// plus its constant layout offset in one 64-bit add, which ptxas issues as one UIADD3.64; CuTe's descriptor
+// iterator adds to the low word alone, and ptxas answered that with a UIADD3 and a UMOV of the unchanged
+// upper word before every HGMMA.
 template <int B, int Kb0, int Count, int NumAcc, class FragA, class DescB, class Accum>
 CUTLASS_DEVICE void mc_token_gmmas(FragA const& fa, DescB const& descs, Accum& acc0, Accum& acc1, Accum& acc2,
                                    Accum& acc3) {
+  uint64_t const desc0 = uint64_t(descs(Kb0));
   warpgroup_arrive();
   CUTLASS_PRAGMA_UNROLL
   for (int j = 0; j < Count; ++j) {
     int const chain = (Kb0 + j) % NumAcc;
     Accum& acc = chain == 0 ? acc0 : (chain == 1 ? acc1 : (chain == 2 ? acc2 : acc3));
-    mc_gmma_blocks<B>(fa(_, 0, j), uint64_t(descs(Kb0 + j)), acc, std::make_integer_sequence<int, 4 * B>{});
+    uint64_t const desc = desc0 + uint64_t(int(descs.layout()(Kb0 + j)) - int(descs.layout()(Kb0)));
+    mc_gmma_blocks<B>(fa(_, 0, j), desc, acc, std::make_integer_sequence<int, 4 * B>{});
   }
 }
 
@@ -234,7 +246,6 @@ struct Mxfp4MoeMainloop {
 #else
   static constexpr int kTokenWidths = TileM == 192 ? cute::min(4, TileN / 8) : (TileN == 16 ? 2 : 1);
 #endif
-  static constexpr bool kTokenGmmas = kTokenWidths > 1;
   // A register sets hold half a k tile where two whole ones do not fit: three consumer warpgroups
   // (152 registers each) with TileK 256 (64 registers per whole set) or 96/128 tokens (48/64
   // accumulator registers).
@@ -544,7 +555,7 @@ struct Mxfp4MoeMainloop {
     CUTLASS_DEVICE void operator()() const {}
   };
   // tokens: the tile's token rows (the last token tile of an expert has fewer than TileN); where
-  // kTokenGmmas, its GMMAs cover them rounded up to 8 (item 12).
+  // kTokenWidths > 1, its GMMAs cover them rounded up to 8 (item 12).
   template <class FrgTensorC, class Hook = NoHook>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
                           int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const& p,
@@ -626,7 +637,6 @@ struct Mxfp4MoeMainloop {
     clear(accum);
     if constexpr (NumAcc > 1) clear(acc1);
     if constexpr (NumAcc > 2) { clear(acc2); clear(acc3); }
-    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
     warpgroup_fence_operand(accum);
     if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
     if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
@@ -645,34 +655,19 @@ struct Mxfp4MoeMainloop {
       warpgroup_fence_operand(accum);
       if constexpr (NumAcc > 1) warpgroup_fence_operand(acc1);
       if constexpr (NumAcc > 2) { warpgroup_fence_operand(acc2); warpgroup_fence_operand(acc3); }
-      if constexpr (kTokenGmmas) {
-        mc_token_gmmas<decltype(blocks)::value, decltype(half)::value * KSet, KSet, NumAcc>(
-            recast<uint32_t>(frag), tCrB(_0{}, _0{}, _, stage), accum, acc1, acc2, acc3);
-      } else {
+#ifdef MC_PROBE_NO_MMA   // development probe only: the pipeline without tensor-core work; the converted
+                         // fragments feed a sink instead, or the compiler drops the conversion as well
       warpgroup_arrive();
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < KSet; ++j) {
-        int const kb = decltype(half)::value * KSet + j;   // k-block of the tile
-#ifdef MC_PROBE_NO_MMA   // development probe only: the pipeline without tensor-core work; the converted
-                         // fragments feed a sink instead, or the compiler drops the conversion as well
-        {
-          Tensor f = recast<uint32_t>(frag);
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < 4; ++i) probe_sink ^= f(i, 0, j);
-        }
-        if (kb >= 0) continue;
+        Tensor f = recast<uint32_t>(frag);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < 4; ++i) probe_sink ^= f(i, 0, j);
+      }
+#else
+      mc_token_gmmas<decltype(blocks)::value, decltype(half)::value * KSet, KSet, NumAcc>(
+          recast<uint32_t>(frag), tCrB(_0{}, _0{}, _, stage), accum, acc1, acc2, acc3);
 #endif
-        if (kb % NumAcc == 0) {
-          cute::gemm(tiled_mma, frag(_, _, j), tCrB(_, _, kb, stage), accum);
-        } else if (kb % NumAcc == 1) {
-          cute::gemm(tiled_mma, frag(_, _, j), tCrB(_, _, kb, stage), acc1);
-        } else if (kb % NumAcc == 2) {
-          cute::gemm(tiled_mma, frag(_, _, j), tCrB(_, _, kb, stage), acc2);
-        } else {
-          cute::gemm(tiled_mma, frag(_, _, j), tCrB(_, _, kb, stage), acc3);
-        }
-      }
-      }
       warpgroup_commit_batch();
     };
     auto wait_gmmas = [&]() {
@@ -699,32 +694,18 @@ struct Mxfp4MoeMainloop {
           // issue() above, written out: called through a lambda, this loop got other schedules from
           // ptxas for 128x16x256 and 128x32x256; written out, every whole-set tile's SASS is the one
           // measured before half sets existed
-          if constexpr (kTokenGmmas) {
-            mc_token_gmmas<decltype(blocks)::value, 0, KBlocks, NumAcc>(
-                recast<uint32_t>(frag_now), tCrB(_0{}, _0{}, _, stage), accum, acc1, acc2, acc3);
-          } else {
+#ifdef MC_PROBE_NO_MMA
           warpgroup_arrive();
           CUTLASS_PRAGMA_UNROLL
           for (int kb = 0; kb < KBlocks; ++kb) {
-#ifdef MC_PROBE_NO_MMA
-            {
-              Tensor f = recast<uint32_t>(frag_now);
-              CUTLASS_PRAGMA_UNROLL
-              for (int i = 0; i < 4; ++i) probe_sink ^= f(i, 0, kb);
-            }
-            if (kb >= 0) continue;
+            Tensor f = recast<uint32_t>(frag_now);
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < 4; ++i) probe_sink ^= f(i, 0, kb);
+          }
+#else
+          mc_token_gmmas<decltype(blocks)::value, 0, KBlocks, NumAcc>(
+              recast<uint32_t>(frag_now), tCrB(_0{}, _0{}, _, stage), accum, acc1, acc2, acc3);
 #endif
-            if (kb % NumAcc == 0) {
-              cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), accum);
-            } else if (kb % NumAcc == 1) {
-              cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc1);
-            } else if (kb % NumAcc == 2) {
-              cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc2);
-            } else {
-              cute::gemm(tiled_mma, frag_now(_, _, kb), tCrB(_, _, kb, stage), acc3);
-            }
-          }
-          }
           warpgroup_commit_batch();
           ++smem_pipe_read;
           if (k_tile_count > 1) {

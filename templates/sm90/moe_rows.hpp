@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "cutlass/cutlass.h"
+#include "cutlass/fast_math.h"
 
 namespace moe_cutlass {
 
@@ -61,11 +62,8 @@ struct MoeRowWindow {
   static MoeRowWindow make(int32_t chunk, int32_t lo, int32_t hi) {
     MoeRowWindow w;   // (1, 0, 1), the only window of chunk 1, takes every row: the default's
     if (chunk > 1) {
-      uint32_t log2 = 0;   // ceil(log2(chunk))
-      while ((int64_t(1) << log2) < chunk) ++log2;
       w.chunk = chunk;
-      w.multiplier = uint32_t(((uint64_t(1) << (31 + log2)) + uint64_t(chunk) - 1) / uint64_t(chunk));
-      w.shift = log2 - 1;
+      cutlass::find_divisor(w.multiplier, w.shift, unsigned(chunk));
       w.rem_lo = lo;
       w.rem_hi = hi;
     }
