@@ -161,7 +161,12 @@ def split_plan(rows: int, num_experts: int, tiles=None) -> Plan:
 # from 1.5 rows per expert on -1.2..-3.6% on all four shapes (M = 32 qwen3, M = 64 all, M = 128
 # gpt-oss / dsv4-flash; dsv3 M = 128 +2.8 / -0.1%), below it -3.5..+4.2% (dsv4-flash +3.8..+4.2% at
 # M = 8-16, dsv3 -2.9..-3.5%): fewer, longer tiles leave more of the last wave idle when few
-# experts are active. So plan() takes it from TALL_STREAM_MIN_ROWS rows per expert.
+# experts are active. So plan() takes it from TALL_STREAM_MIN_ROWS rows per expert. The 16-token tile (4-12 rows
+# per expert) runs on 192 rows as well since its GMMAs go as wide as the tile's tokens (moe_gemm_mainloop.hpp items
+# 12-13): layer time, both GEMMs on m192n16k128 against m128n16k256, two ab_tiles runs of seven interleaved rounds
+# (benchmarks/results/raw/bench_20261203T0744*Z_ab_tiles_16_token_tall_r*.json, sum of both): gpt-oss M = 192 / 256 / 384
+# -5.7 / -5.5 / -7.1%, qwen3 M = 128 / 192 -5.4 / -5.3%, dsv4-flash M = 192 / 256 / 384 / 512 -1.4 / -0.0 / -4.6 / -2.7%,
+# dsv3 M = 192 / 256 / 384 +1.0 / -2.1 / +0.7%.
 TALL_TILES = {"m128n8k256_coop": "m192n8k256_coop", "m128n16k256_coop": "m192n16k128_coop",
               "m128n32k256_coop": "m192n32k128_coop", "m128n64k256_coop": "m192n64k128_coop"}
 TALL_STREAM_MIN_ROWS = 1.5
@@ -231,7 +236,7 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
          split_tiles=None, ks=None, tall_gemm2_min_k=None) -> Plan:
     """The GEMM launches of a call with `rows` (M * top_k) rows (available: the GEMM1 configs the
     library holds, as for pick_config; GEMM2's follow them): pick_config's one tile up to
-    SPLIT_MIN_ROWS rows per expert (streaming tiles; the 8-token one on 192 rows from
+    SPLIT_MIN_ROWS rows per expert (streaming tiles; the 8/16-token ones on 192 rows from
     TALL_STREAM_MIN_ROWS rows per expert) and for batch_invariant (whose bits must not depend on
     which part a row lands in), split_plan's parts above, their tiles of up to 64 tokens on 192
     rows (TALL_TILES), GEMM1's larger ones too (TALL_TILES_GEMM1), and GEMM2's where ks gives its K
@@ -245,7 +250,7 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
     if batch_invariant or per_expert <= SPLIT_MIN_ROWS:
         config = pick_config(1, rows, num_experts, available, batch_invariant)
         p = single(config)
-        rule = BOTH_TALL if tile_n(config) == 8 and per_expert >= TALL_STREAM_MIN_ROWS else NO_TALL
+        rule = BOTH_TALL if tile_n(config) <= 16 and per_expert >= TALL_STREAM_MIN_ROWS else NO_TALL
     else:
         tiles = split_tiles
         if tiles is None and available is not None and f"moe_gemm1_{WIDE_TILE}" not in available:
