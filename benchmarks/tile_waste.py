@@ -18,6 +18,8 @@ active experts (how many times each active expert's weights are streamed; 1 is i
   (fused_moe's launches before the split plans);
 - "plan": what fused_moe launches, moe_cutlass._gemm.plan: one tile, or parts whose row windows
   put each expert's full 128-row chunks and its remainder in tiles the device picks per expert;
+- "gmma": the plan's MMA work, an expert's last tile in each part only as wide as the GMMA width its
+  config runs there (moe_cutlass._gemm.gmma_widths; the re-stream is the plan's);
 - "rem128": full 128-row tiles, then the remainder in one tile rounded up to a multiple of 32;
 - "oracle": per expert the built TileN (TILES) with the fewest padded rows, ties to the larger.
 Both GEMMs see the same r_e and the same tiles, so one number covers both.
@@ -69,13 +71,17 @@ def one_tile(rows, n):
     return tiles * n, tiles
 
 
-def planned(rows, plan):
-    """(padded rows, tiles) per expert under a _gemm.Plan: each part pads the rows its window takes."""
+def planned(rows, plan, gmma=False):
+    """(padded rows, tiles) per expert under a _gemm.Plan: each part pads the rows its window takes to
+    whole tiles, or with gmma to the GMMA widths its GEMM1 config runs (_gemm.gmma_widths: an expert's
+    last tile only as wide as the narrowest width that covers its tokens)."""
     padded, tiles = torch.zeros_like(rows), torch.zeros_like(rows)
     for config1, _, lo, hi in plan.parts:
         n = _gemm.tile_n(config1)
+        widths = _gemm.gmma_widths(config1) if gmma else (n,)
         count = torch.tensor([_gemm.window_rows(int(r), plan.chunk, lo, hi)[1] for r in rows])
-        padded += (count + n - 1) // n * n
+        last = torch.tensor([0 if c % n == 0 else next(w for w in widths if w >= c % n) for c in count.tolist()])
+        padded += count // n * n + last
         tiles += (count + n - 1) // n
     return padded, tiles
 
@@ -109,7 +115,7 @@ def measure(name, M, routing, seeds):
     picked = _gemm.tile_n(_gemm.pick_config(1, M * k, E))
     plan = _gemm.plan(M * k, E)
     schemes = {"pick": lambda rows: one_tile(rows, picked), "plan": lambda rows: planned(rows, plan),
-               "rem128": rem128, "oracle": oracle}
+               "gmma": lambda rows: planned(rows, plan, gmma=True), "rem128": rem128, "oracle": oracle}
     sums = {}
     for seed in range(seeds):
         rows = rows_per_expert(route(routing, M, E, k, torch.Generator().manual_seed(seed)), E)
@@ -132,7 +138,7 @@ def run(args):
                 rows.append(row)
                 print(f"{name:14s} M={M:6d} {routing:9s} rows/expert {row['rows_mean']:7.1f} (max "
                       f"{row['rows_max']:7.1f})  waste pick(n{row['pick_tile_n']}) {row['pick_waste']:.3f} "
-                      f"plan {row['plan_waste']:.3f} rem128 {row['rem128_waste']:.3f} oracle "
+                      f"plan {row['plan_waste']:.3f} (GMMAs {row['gmma_waste']:.3f}) rem128 {row['rem128_waste']:.3f} oracle "
                       f"{row['oracle_waste']:.3f}  re-stream {row['pick_restream']:.2f} / {row['plan_restream']:.2f} / "
                       f"{row['rem128_restream']:.2f} / {row['oracle_restream']:.2f}",
                       flush=True)

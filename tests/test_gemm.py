@@ -237,15 +237,9 @@ def test_grouped_gemm1(H, I, gate_up, config):
     assert relerr(out[:total].cpu(), ref) < 1e-2
 
 
-def _token_widths(config: str) -> int:
-    """How many GMMA widths the config's mainloop holds (moe_gemm_mainloop.hpp, kTokenWidths)."""
-    n = _gemm().tile_n(config)
-    return min(4, n // 8) if "_m192n" in config else (2 if n == 16 else 1)
-
-
 def _token_width_configs():
     """The configs whose GMMAs run as wide as the tile's tokens (moe_gemm_mainloop.hpp item 12)."""
-    return [c for c in CONFIGS1 + CONFIGS2 if _token_widths(c) > 1]
+    return [c for c in CONFIGS1 + CONFIGS2 if len(_gemm().gmma_widths(c)) > 1]
 
 
 @pytest.mark.parametrize("config", _token_width_configs() or ["moe_gemm1_m192n64k128_coop"])
@@ -254,9 +248,10 @@ def test_every_token_width(config):
     to 8 (the widths in the tile's upper half, the narrowest below). Experts whose last tile holds 1, half
     the tile -+ 1, each width's first and last count, and a full tile plus a tail, each against the reference."""
     tile_n = _gemm().tile_n(config)
-    half, full = tile_n // 2, tile_n // 8
+    half, widths = tile_n // 2, _gemm().gmma_widths(config)
+    # each width's first and last count (the narrowest's first: 7 below its last)
     counts = sorted({1, half - 1, half + 1, tile_n + half + 3}
-                    | {c for w in range(full - _token_widths(config) + 1, full + 1) for c in (8 * w - 7, 8 * w)})
+                    | {c for lo, w in zip((widths[0] - 8,) + widths, widths) for c in (lo + 1, w)})
     E = len(counts)
     gen = torch.Generator().manual_seed(tile_n)
     total = sum(counts)

@@ -59,6 +59,17 @@ def test_a_split_plan_pads_each_part_to_its_tile():
     assert tile_waste.planned(torch.tensor([130]), single)[0].tolist() == [192]
 
 
+def test_the_gmma_scheme_pads_last_tiles_to_their_gmma_width():
+    from moe_cutlass import _gemm
+
+    plan = _gemm.plan(4096 * 4, 128)   # 160 / 128 / 96 / 64 / 32, all but the 160-token part on 192 rows
+    rows = torch.tensor([300, 150, 130, 100, 70, 33, 20, 0])
+    padded, tiles = tile_waste.planned(rows, plan, gmma=True)
+    # 300 = a full 160 chunk + 140 on the 144 width; 100 on the 128-token part's 104; 33 on 40; 20 on 24
+    assert padded.tolist() == [160 + 144, 160, 144, 104, 72, 40, 24, 0]
+    assert tiles.tolist() == tile_waste.planned(rows, plan)[1].tolist()
+
+
 @pytest.mark.parametrize("routing", tile_waste.ROUTINGS)
 def test_routings_give_k_distinct_experts_per_token(routing):
     E, k, M = 128, 8, 1000
