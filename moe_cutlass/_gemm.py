@@ -67,12 +67,13 @@ def tile_n(config: str) -> int:
 
 def gmma_widths(config: str) -> tuple:
     """The GMMA widths, in tokens, that a config's mainloop holds for an expert's last token tile: it runs
-    the narrowest that covers the tile's tokens (templates/sm90/moe_gemm_mainloop.hpp item 12, kTokenWidths):
-    the 192-row tiles' upper four 8-token widths, 8 / 16 for the 16-token tile, the full tile elsewhere."""
+    the narrowest that covers the tile's tokens (templates/sm90/moe_gemm_mainloop.hpp item 12, kTokenWidths
+    and kWidthStep): the 192-row tiles' upper four 8-token widths, 8 / 16 for the 16-token tile, 144 / 160
+    for the 160-token one, the full tile elsewhere."""
     n = tile_n(config)
     if re.search(r"m192n", config):
         return tuple(range(n - 8 * (min(4, n // 8) - 1), n + 1, 8))
-    return (8, 16) if n == 16 else (n,)
+    return {16: (8, 16), 160: (144, 160)}.get(n, (n,))
 
 
 class Plan(NamedTuple):

@@ -109,10 +109,11 @@ def test_plan_parts_take_every_row_once(shape, M):
 @pytest.mark.parametrize("config, widths", [
     ("moe_gemm1_m192n64k128_coop", (40, 48, 56, 64)), ("moe_gemm2_m192n32k256_coop", (8, 16, 24, 32)),
     ("moe_gemm1_m192n8k256_coop", (8,)), ("moe_gemm1_m128n16k256_coop", (8, 16)),
-    ("moe_gemm2_m128n160k128_coop", (160,)), ("moe_gemm1_m128n128k128_coop_c2", (128,)),
+    ("moe_gemm2_m128n160k128_coop", (144, 160)), ("moe_gemm1_m128n128k128_coop_c2", (128,)),
     ("moe_gemm1_m192n128k128_coop_c2", (104, 112, 120, 128))])
 def test_gmma_widths_mirror_the_mainloop(config, widths):
-    """_gemm.gmma_widths names the widths that moe_gemm_mainloop.hpp's kTokenWidths builds."""
+    """_gemm.gmma_widths names the widths that moe_gemm_mainloop.hpp's kTokenWidths / kWidthStep build: the
+    160-token part (129-160 tokens per tile) in two, 16 apart."""
     from moe_cutlass import _gemm
 
     assert _gemm.gmma_widths(config) == widths

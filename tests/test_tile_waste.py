@@ -65,8 +65,8 @@ def test_the_gmma_scheme_pads_last_tiles_to_their_gmma_width():
     plan = _gemm.plan(4096 * 4, 128)   # 160 / 128 / 96 / 64 / 32, all but the 160-token part on 192 rows
     rows = torch.tensor([300, 150, 130, 100, 70, 33, 20, 0])
     padded, tiles = tile_waste.planned(rows, plan, gmma=True)
-    # 300 = a full 160 chunk + 140 on the 160-token tile; 100 on the 128-token part's 104; 33 on 40; 20 on 24
-    assert padded.tolist() == [160 + 160, 160, 160, 104, 72, 40, 24, 0]
+    # 300 = a full 160 chunk + 140 on the 144 width; 100 on the 128-token part's 104; 33 on 40; 20 on 24
+    assert padded.tolist() == [160 + 144, 160, 144, 104, 72, 40, 24, 0]
     assert tiles.tolist() == tile_waste.planned(rows, plan)[1].tolist()
 
 

@@ -234,17 +234,19 @@ struct Mxfp4MoeMainloop {
   // accumulator chains per warpgroup (registers allow it for small N)
   static constexpr int NumAcc = TileN <= 16 ? 4 : (TileN <= 32 ? 2 : 1);
   // GMMAs over the tile's tokens rounded up to 8, not TileN (item 12). The widths built, in 8-token
-  // blocks: TileN / 8 - kTokenWidths + 1 .. TileN / 8. Each is a copy of the mainloop (the width is
+  // blocks: the kTokenWidths last of TileN / 8 - kWidthStep * k (_gemm.gmma_widths). Each is a copy of the mainloop (the width is
   // chosen once per tile: chosen per k tile, in branches around the GMMAs, ptxas fenced them in a
   // divergent path and serialized them, C7520). A part's tiles hold more than half of TileN tokens
   // unless a smaller part was left out of the plan (_gemm.split_plan): four widths cover the part's
   // upper half (33..64 tokens of a 64-token tile in 40, 48, 56, 64) and every width of the 32-token
   // tile, the smallest part. The 128-row tiles (two consumer warpgroups) got C7520 with four copies;
-  // their 16-token tile (the one launch at 4-12 rows per expert) takes two.
+  // their 16-token tile (the one launch at 4-12 rows per expert) takes two, and the 160-token tile two
+  // 16 apart, 144 and 160 (its part holds 129-160 tokens; four widths 136-160 got C7520 here too).
 #ifdef MC_PROBE_NO_MMA
   static constexpr int kTokenWidths = 1;   // the probe's sink lives in the TileN-wide loops
 #else
-  static constexpr int kTokenWidths = TileM == 192 ? cute::min(4, TileN / 8) : (TileN == 16 ? 2 : 1);
+  static constexpr int kTokenWidths = TileM == 192 ? cute::min(4, TileN / 8) : (TileN == 16 || TileN == 160 ? 2 : 1);
+  static constexpr int kWidthStep = TileN == 160 ? 2 : 1;
 #endif
   // A register sets hold half a k tile where two whole ones do not fit: three consumer warpgroups
   // (152 registers each) with TileK 256 (64 registers per whole set) or 96/128 tokens (48/64
@@ -774,8 +776,8 @@ struct Mxfp4MoeMainloop {
         run(cute::false_type{}, Int<kFull>{});
       }
     } else if constexpr (kTokenWidths == 2) {
-      if (token_blocks <= kFull - 1) {
-        run(cute::false_type{}, Int<kFull - 1>{});
+      if (token_blocks <= kFull - kWidthStep) {
+        run(cute::false_type{}, Int<kFull - kWidthStep>{});
       } else {
         run(cute::false_type{}, Int<kFull>{});
       }
