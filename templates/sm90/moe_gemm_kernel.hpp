@@ -55,12 +55,6 @@
 //  8. mma() gets the tile's tokens (the expert's rows in this launch past the tile's first), so that
 //     the mainloop runs its GMMAs only as wide as them (moe_gemm_mainloop.hpp item 12); upstream's
 //     GMMAs always span the whole tile.
-//  9. A warpgroup whose 64-row slab lies wholly past the weight rows (the problem's M: N rounded up to a
-//     slab, moe_gemm_launch.hpp MoeProblemShape) only passes the tile's stages on (mma(), `idle`).
-//     N = 4096 / 7168 (dsv3, dsv4-flash) leave each expert's last 192-row tile one live slab of three,
-//     N = 2880 (gpt-oss GEMM2) its last 128-row tile one of two, and a cluster's rounding tile none;
-//     upstream converts and multiplies their TMA-zero-filled rows like any others. Measured in
-//     benchmarks/NOTES.md 2026-12-04 (32).
 // Everything else is upstream's, line for line, minus the auxiliary-load producer warp (our mainloop
 // has no auxiliary load): kept so that a CUTLASS upgrade diffs against this file cleanly, upstream's
 // own repeated blocks (the epilogue tensormap update at the start and on a group change) included.
@@ -992,10 +986,7 @@ public:
               }
             },
             // (not upstream) the tile's tokens: the expert's rows in this launch past the tile's first
-            int(get<1>(problem_shape_MNKL)) - int(n_coord) * int(size<1>(blk_shape)),
-            // (not upstream, item 9) this warpgroup's 64 weight rows lie wholly past the weights. Its slab
-            // is mma_thread_idx / 128, not consumer_warp_group_idx: the last consumer warpgroup takes slab 0
-            mma_thread_idx / NumThreadsPerWarpGroup * 64 >= int(get<0>(problem_shape_MNKL)) - int(m_coord) * int(size<0>(blk_shape))
+            int(get<1>(problem_shape_MNKL)) - int(n_coord) * int(size<1>(blk_shape))
           );
 
           // Make sure the math instructions are done and free buffers before entering the epilogue

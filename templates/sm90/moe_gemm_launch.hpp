@@ -46,9 +46,9 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // The grouped GEMM's problem shapes, (N rounded up to a 64-row slab, this launch's rows of expert e,
 // Kp), computed from expert_offsets and the launch's row window (moe_rows.hpp) where the kernel asks
 // for them: the interface of cutlass::gemm::GroupProblemShape with device-only shapes. An expert
-// without rows in the window is skipped. M is not Npad (a multiple of 128): gpt-oss's GEMM2, N = 2880,
-// would run a 16th 192-row tile of nothing but padding per token tile, and the consumers skip the
-// slabs past M (moe_gemm_kernel.hpp item 9).
+// without rows in the window is skipped. M is not Npad (a multiple of 128): at N = 2880 (gpt-oss's
+// GEMM2) the 192-row tiles would count 16 per token tile, the 16th all padding that the epilogue does
+// not store (benchmarks/NOTES.md 2026-12-04 (32)).
 struct MoeProblemShape {
   using UnderlyingProblemShape = Shape<int, int, int>;
   int32_t num_groups = 1;
@@ -124,7 +124,7 @@ inline typename Cfg::Gemm::Arguments make_args(int E, int sm_count, typename Cfg
                                                MoeEpilogueArguments const& epi) {
   typename Cfg::Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {E, ml.offsets, int32_t(round_up(ml.n_real, 64)), ml.k_pad, ml.window};
+  args.problem_shape = {E, ml.offsets, int32_t(round_up(epi.n_real, 64)), ml.k_pad, ml.window};
   args.mainloop = ml;
   args.epilogue = epi;
   args.hw_info.device_id = 0;
@@ -271,7 +271,6 @@ inline int moe_gemm_run(const void* w_blocks, const void* w_scales, const float*
     ml.num_experts = E;
     ml.act_rows = act_rows;
     ml.m_pad = m_pad;
-    ml.n_real = N;
     ml.k_pad = k_pad;
     ml.k_real = K;
     ml.scale_max = scale_max;

@@ -120,9 +120,6 @@
 //     CuTe's iterator left a UIADD3 and a UMOV of the descriptor's constant upper word per HGMMA: 9 fewer
 //     uniform instructions per 8-GMMA k tile, every GEMM kernel 24-168 instructions shorter (SASS:
 //     benchmarks/NOTES.md 2026-12-02 (29); the layers on the H200: (30)).
-// 14. A consumer warpgroup whose 64-row slab lies past the weight rows (the kernel fork's item 9) waits
-//     for and releases the tile's stages and multiplies nothing; its accumulators are zero and the
-//     epilogue stores none of its rows. Upstream converts and multiplies the zero-filled slab.
 //
 // Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
 // decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
@@ -331,8 +328,7 @@ struct Mxfp4MoeMainloop {
     MoeRowWindow window;           // which of each expert's rows this launch takes
     int num_experts = 0;
     int act_rows = 0;              // rows the act buffer holds (>= offsets[E])
-    int m_pad = 0;                 // Npad: weight rows (and scale row stride), a multiple of 128
-    int n_real = 0;                // N: the weight rows the tiles cover (rounded up to a slab)
+    int m_pad = 0;                 // Npad: weight rows (and scale row stride), multiple of TileM
     int k_pad = 0;                 // Kp: padded K of the weights (multiple of 64)
     int k_real = 0;                // K of the activations
     int scale_max = 255;           // largest scale byte of the weights (layout.py's scale_max)
@@ -561,27 +557,12 @@ struct Mxfp4MoeMainloop {
     CUTLASS_DEVICE void operator()() const {}
   };
   // tokens: the tile's token rows (the last token tile of an expert has fewer than TileN); where
-  // kTokenWidths > 1, its GMMAs cover them rounded up to 8 (item 12). idle: this warpgroup's slab lies
-  // past the weight rows (item 14).
+  // kTokenWidths > 1, its GMMAs cover them rounded up to 8 (item 12).
   template <class FrgTensorC, class Hook = NoHook>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
                           int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const& p,
-                          Hook const& after_first_tile = Hook{}, int tokens = TileN, bool idle = false) {
+                          Hook const& after_first_tile = Hook{}, int tokens = TileN) {
     static_assert(is_rmem<FrgTensorC>::value, "C tensor must be rmem resident.");
-    if (idle) {
-      // Each stage is released only once full: released earlier, a warpgroup that laps the ring would
-      // arrive twice in one phase of a stage's empty barrier.
-      clear(accum);
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int kt = 0; kt < k_tile_count; ++kt) {
-        auto token = pipeline.consumer_try_wait(smem_pipe_read);
-        pipeline.consumer_wait(smem_pipe_read, token);
-        pipeline.consumer_release(smem_pipe_read);
-        ++smem_pipe_read;
-        if (kt == 0) after_first_tile();
-      }
-      return;
-    }
     constexpr int MmaWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
     static_assert(MmaWarpGroups * 64 == TileM, "one 64-row slab per consumer warpgroup");
 
