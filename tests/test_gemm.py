@@ -191,9 +191,11 @@ def test_distinct_random_scales_every_block(config):
 
 # rows per expert of test_grouped_gemm2 by (H, I). At I = 768 (six k tiles) GEMM2's 96/128-token
 # tiles stagger their consumer warpgroups (moe_gemm_kernel.hpp, 6.); 1431 rows over 16 weight-row
-# tiles give every CTA several tiles in a row.
+# tiles give every CTA several tiles in a row. H = 96, 160, 448 and 2880 leave a last weight-row tile
+# partly past H (448 = 2 * 192 + 64: one slab of three, as dsv3's H = 7168); at 2880 the 192-row tiles
+# stop at H, not at its 128-row padding (moe_gemm_launch.hpp, MoeProblemShape).
 GEMM2_COUNTS = {(96, 160): [0, 5, 1, 37, 0, 3, 70], (160, 96): [0, 5, 1, 37, 0, 3, 70], (2880, 2880): [3, 0, 17, 1],
-                (2048, 768): [300, 0, 257, 129, 700, 45]}
+                (2048, 768): [300, 0, 257, 129, 700, 45], (448, 192): [9, 0, 130, 33]}
 
 
 @pytest.mark.parametrize("config", CONFIGS2)

@@ -43,15 +43,17 @@ constexpr int kRowPad = 128;
 constexpr int kKPad = 64;
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// The grouped GEMM's problem shapes, (Npad, this launch's rows of expert e, Kp), computed from
-// expert_offsets and the launch's row window (moe_rows.hpp) where the kernel asks for them: the
-// interface of cutlass::gemm::GroupProblemShape with device-only shapes. An expert without rows in
-// the window is skipped.
+// The grouped GEMM's problem shapes, (N rounded up to a 64-row slab, this launch's rows of expert e,
+// Kp), computed from expert_offsets and the launch's row window (moe_rows.hpp) where the kernel asks
+// for them: the interface of cutlass::gemm::GroupProblemShape with device-only shapes. An expert
+// without rows in the window is skipped. M is not Npad (a multiple of 128): at N = 2880 (gpt-oss's
+// GEMM2) the 192-row tiles would count 16 per token tile, the 16th all padding that the epilogue does
+// not store (benchmarks/NOTES.md 2026-12-04 (32)).
 struct MoeProblemShape {
   using UnderlyingProblemShape = Shape<int, int, int>;
   int32_t num_groups = 1;
   int32_t const* offsets = nullptr;
-  int32_t m_pad = 0;
+  int32_t m_rows = 0;
   int32_t k_pad = 0;
   MoeRowWindow window;
 
@@ -59,7 +61,7 @@ struct MoeProblemShape {
   CUTLASS_DEVICE UnderlyingProblemShape get_problem_shape(int32_t group) const {
     int32_t first, count;
     window.rows(offsets[group], offsets[group + 1], first, count);
-    return {m_pad, count, k_pad};
+    return {m_rows, count, k_pad};
   }
   CUTLASS_HOST_DEVICE UnderlyingProblemShape get_host_problem_shape(int32_t = 0) const { return {}; }
   CUTLASS_HOST_DEVICE bool is_host_problem_shape_available() const { return false; }
@@ -122,7 +124,7 @@ inline typename Cfg::Gemm::Arguments make_args(int E, int sm_count, typename Cfg
                                                MoeEpilogueArguments const& epi) {
   typename Cfg::Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {E, ml.offsets, ml.m_pad, ml.k_pad, ml.window};
+  args.problem_shape = {E, ml.offsets, int32_t(round_up(epi.n_real, 64)), ml.k_pad, ml.window};
   args.mainloop = ml;
   args.epilogue = epi;
   args.hw_info.device_id = 0;
