@@ -242,12 +242,12 @@ struct Mxfp4MoeMainloop {
   // tile, the smallest part. The 128-row tiles (two consumer warpgroups) got C7520 with four copies;
   // their 16-token tile (the one launch at 4-12 rows per expert) takes two, and the 160-token tile two
   // 16 apart, 144 and 160 (its part holds 129-160 tokens; four widths 136-160 got C7520 here too).
-  static constexpr int kWidthStep = TileN == 160 ? 2 : 1;
 #ifdef MC_PROBE_NO_MMA
   static constexpr int kTokenWidths = 1;   // the probe's sink lives in the TileN-wide loops
 #else
   static constexpr int kTokenWidths = TileM == 192 ? cute::min(4, TileN / 8) : (TileN == 16 || TileN == 160 ? 2 : 1);
 #endif
+  static constexpr int kWidthStep = TileN == 160 ? 2 : 1;
   // A register sets hold half a k tile where two whole ones do not fit: three consumer warpgroups
   // (152 registers each) with TileK 256 (64 registers per whole set) or 96/128 tokens (48/64
   // accumulator registers).
