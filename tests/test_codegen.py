@@ -220,15 +220,19 @@ def test_routing_builds_then_hits_the_cache(tmp_path):
     assert lib.call("mc_expand_workspace_ints", 65536, 8, 128) == 512 * 128   # 1024-slot tiles
 
 
-def test_a_probe_build_is_marked_and_kept_apart(tmp_path):
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_a_probe_build_compiles_is_marked_and_kept_apart(tmp_path):
+    """Both mainloop probes on one GEMM: the probe macros remove code paths the normal build never
+    compiles without, so only a compile catches a name they leave undeclared (kWidthStep once was)."""
     gen = tmp_path / "generated"
     render.write(render.render(ARCH), gen)
-    library = build(ARCH, only=["routing"], gen_dir=gen, out_dir=tmp_path / "probe", emit=lambda line: None,
-                    defines=["MC_PROBE_NO_CONVERT"])
-    assert json.loads(library.with_suffix(".manifest.json").read_text())["defines"] == ["MC_PROBE_NO_CONVERT"]
-    assert json.loads((tmp_path / "probe" / "build_report.json").read_text())["defines"] == ["MC_PROBE_NO_CONVERT"]
+    probes = ["MC_PROBE_NO_CONVERT", "MC_PROBE_NO_MMA"]
+    library = build(ARCH, only=["routing", _first_gemm(1)], gen_dir=gen, out_dir=tmp_path / "probe",
+                    emit=lambda line: None, defines=probes)
+    assert json.loads(library.with_suffix(".manifest.json").read_text())["defines"] == probes
+    assert json.loads((tmp_path / "probe" / "build_report.json").read_text())["defines"] == probes
     with pytest.warns(RuntimeWarning, match="probe build"):
-        assert _lib.Library(library).defines == ["MC_PROBE_NO_CONVERT"]
+        assert _lib.Library(library).defines == probes
 
 
 def test_loaded_never_loads_the_library(monkeypatch, tmp_path):

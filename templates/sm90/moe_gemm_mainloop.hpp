@@ -246,8 +246,8 @@ struct Mxfp4MoeMainloop {
   static constexpr int kTokenWidths = 1;   // the probe's sink lives in the TileN-wide loops
 #else
   static constexpr int kTokenWidths = TileM == 192 ? cute::min(4, TileN / 8) : (TileN == 16 || TileN == 160 ? 2 : 1);
-  static constexpr int kWidthStep = TileN == 160 ? 2 : 1;
 #endif
+  static constexpr int kWidthStep = TileN == 160 ? 2 : 1;
   // A register sets hold half a k tile where two whole ones do not fit: three consumer warpgroups
   // (152 registers each) with TileK 256 (64 registers per whole set) or 96/128 tokens (48/64
   // accumulator registers).
@@ -328,7 +328,7 @@ struct Mxfp4MoeMainloop {
     MoeRowWindow window;           // which of each expert's rows this launch takes
     int num_experts = 0;
     int act_rows = 0;              // rows the act buffer holds (>= offsets[E])
-    int m_pad = 0;                 // Npad: weight rows (and scale row stride), multiple of TileM
+    int m_pad = 0;                 // Npad: weight rows (and scale row stride), multiple of 128
     int k_pad = 0;                 // Kp: padded K of the weights (multiple of 64)
     int k_real = 0;                // K of the activations
     int scale_max = 255;           // largest scale byte of the weights (layout.py's scale_max)
