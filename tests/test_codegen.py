@@ -222,8 +222,8 @@ def test_routing_builds_then_hits_the_cache(tmp_path):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_a_probe_build_compiles_is_marked_and_kept_apart(tmp_path):
-    """Both mainloop probes on one GEMM: the probe macros remove code paths the normal build never
-    compiles without, so only a compile catches a name they leave undeclared (kWidthStep once was)."""
+    """Both mainloop probes on one GEMM: the macros swap declarations and paths in and out, so only a
+    compile with them catches a name they leave undeclared (kWidthStep was, sessions 31-35)."""
     gen = tmp_path / "generated"
     render.write(render.render(ARCH), gen)
     probes = ["MC_PROBE_NO_CONVERT", "MC_PROBE_NO_MMA"]
