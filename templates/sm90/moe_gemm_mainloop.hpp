@@ -484,6 +484,11 @@ struct Mxfp4MoeMainloop {
     Tensor tSsS = block_tma_s.partition_D(sS);
 
     using BarrierType = typename MainloopPipeline::ProducerBarrierType;
+    // Tiles of 16-96 tokens hold an expert's rows of their launch in one tile, so their weights and
+    // scales are read once: first out of L2, which keeps what the next kernel reads (GEMM1's and
+    // GEMM2's output rows) there. Measured on every tile in the layer (benchmarks/NOTES.md 2026-12-04 (34)).
+    constexpr auto kWeightHint = TileN >= 16 && TileN <= 96 ? TMA::CacheHintSm90::EVICT_FIRST
+                                                            : TMA::CacheHintSm90::EVICT_NORMAL;
     uint16_t const mcast_mask = kTokenMcastMask;   // with() takes it by reference
     auto load_tokens = [&](int kt, int write_stage, BarrierType* tma_barrier) {
       if (!b_partial) {
@@ -512,8 +517,8 @@ struct Mxfp4MoeMainloop {
         pipeline.producer_acquire(write);
         if (cute::elect_one_sync()) {
           BarrierType* tma_barrier = pipeline.producer_get_barrier(write);
-          copy(p.tma_load_a.with(*tma_barrier, 0), tAgA(_, _, _, _, *kit), tAsA(_, _, _, _, write.index()));
-          copy(p.tma_load_scale.with(*tma_barrier, 0), tSgS(_, _, _, _, *kit), tSsS(_, _, _, _, write.index()));
+          copy(p.tma_load_a.with(*tma_barrier, 0, kWeightHint), tAgA(_, _, _, _, *kit), tAsA(_, _, _, _, write.index()));
+          copy(p.tma_load_scale.with(*tma_barrier, 0, kWeightHint), tSgS(_, _, _, _, *kit), tSsS(_, _, _, _, write.index()));
         }
       }
       pdl::wait();
@@ -533,9 +538,9 @@ struct Mxfp4MoeMainloop {
       int write_stage = smem_pipe_write.index();
       if (cute::elect_one_sync()) {
         int kt = *k_tile_iter;
-        copy(p.tma_load_a.with(*tma_barrier, 0), tAgA(_, _, _, _, kt), tAsA(_, _, _, _, write_stage));
+        copy(p.tma_load_a.with(*tma_barrier, 0, kWeightHint), tAgA(_, _, _, _, kt), tAsA(_, _, _, _, write_stage));
         load_tokens(kt, write_stage, tma_barrier);
-        copy(p.tma_load_scale.with(*tma_barrier, 0), tSgS(_, _, _, _, kt), tSsS(_, _, _, _, write_stage));
+        copy(p.tma_load_scale.with(*tma_barrier, 0, kWeightHint), tSgS(_, _, _, _, kt), tSsS(_, _, _, _, write_stage));
       }
       ++k_tile_iter;
       ++smem_pipe_write;
