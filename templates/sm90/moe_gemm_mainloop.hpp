@@ -120,6 +120,14 @@
 //     CuTe's iterator left a UIADD3 and a UMOV of the descriptor's constant upper word per HGMMA: 9 fewer
 //     uniform instructions per 8-GMMA k tile, every GEMM kernel 24-168 instructions shorter (SASS:
 //     benchmarks/NOTES.md 2026-12-02 (29); the layers on the H200: (30)).
+// 14. The tiles of 16-96 tokens load their weights and scales with L2 evict-first (upstream: evict-normal
+//     for every load). Such a tile holds its expert's rows of the launch, so each weight byte is read
+//     once; evicted first, it leaves L2 to what a next kernel reads (GEMM1's output rows for GEMM2,
+//     GEMM2's for the finalize: 12.6 and 33.5 MB at qwen3 M = 1024). Layers, graph replay, three and four rounds both
+//     orders (benchmarks/NOTES.md 2026-12-04 (34)): qwen3 M = 256 -5.8 / -5.9%, M = 1024 -1.8 / -1.9%,
+//     gpt-oss M = 256-1024 -0.5..-1.0%, the other points within the rounds' spread. On every tile it
+//     cost M = 16384 +1.2..+4.7% (where a weight tile serves up to four token tiles), so the 8-token
+//     and 128/160-token tiles keep evict-normal.
 //
 // Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
 // decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
@@ -484,6 +492,9 @@ struct Mxfp4MoeMainloop {
     Tensor tSsS = block_tma_s.partition_D(sS);
 
     using BarrierType = typename MainloopPipeline::ProducerBarrierType;
+    // Item 14: weights and scales read once per call go out of L2 first.
+    constexpr auto kWeightHint = TileN >= 16 && TileN <= 96 ? TMA::CacheHintSm90::EVICT_FIRST
+                                                            : TMA::CacheHintSm90::EVICT_NORMAL;
     uint16_t const mcast_mask = kTokenMcastMask;   // with() takes it by reference
     auto load_tokens = [&](int kt, int write_stage, BarrierType* tma_barrier) {
       if (!b_partial) {
@@ -512,8 +523,8 @@ struct Mxfp4MoeMainloop {
         pipeline.producer_acquire(write);
         if (cute::elect_one_sync()) {
           BarrierType* tma_barrier = pipeline.producer_get_barrier(write);
-          copy(p.tma_load_a.with(*tma_barrier, 0), tAgA(_, _, _, _, *kit), tAsA(_, _, _, _, write.index()));
-          copy(p.tma_load_scale.with(*tma_barrier, 0), tSgS(_, _, _, _, *kit), tSsS(_, _, _, _, write.index()));
+          copy(p.tma_load_a.with(*tma_barrier, 0, kWeightHint), tAgA(_, _, _, _, *kit), tAsA(_, _, _, _, write.index()));
+          copy(p.tma_load_scale.with(*tma_barrier, 0, kWeightHint), tSgS(_, _, _, _, *kit), tSsS(_, _, _, _, write.index()));
         }
       }
       pdl::wait();
@@ -533,9 +544,9 @@ struct Mxfp4MoeMainloop {
       int write_stage = smem_pipe_write.index();
       if (cute::elect_one_sync()) {
         int kt = *k_tile_iter;
-        copy(p.tma_load_a.with(*tma_barrier, 0), tAgA(_, _, _, _, kt), tAsA(_, _, _, _, write_stage));
+        copy(p.tma_load_a.with(*tma_barrier, 0, kWeightHint), tAgA(_, _, _, _, kt), tAsA(_, _, _, _, write_stage));
         load_tokens(kt, write_stage, tma_barrier);
-        copy(p.tma_load_scale.with(*tma_barrier, 0), tSgS(_, _, _, _, kt), tSsS(_, _, _, _, write_stage));
+        copy(p.tma_load_scale.with(*tma_barrier, 0, kWeightHint), tSgS(_, _, _, _, kt), tSsS(_, _, _, _, write_stage));
       }
       ++k_tile_iter;
       ++smem_pipe_write;
