@@ -123,11 +123,11 @@
 // 14. The tiles of 16-96 tokens load their weights and scales with L2 evict-first (upstream: evict-normal
 //     for every load). Such a tile holds its expert's rows of the launch, so each weight byte is read
 //     once; evicted first, it leaves L2 to what a next kernel reads (GEMM1's output rows for GEMM2,
-//     GEMM2's for the finalize: 12.6 and 33.5 MB at qwen3 M = 1024). Layers, graph replay, three and four rounds both
-//     orders (benchmarks/NOTES.md 2026-12-04 (34)): qwen3 M = 256 -5.8 / -5.9%, M = 1024 -1.8 / -1.9%,
-//     gpt-oss M = 256-1024 -0.5..-1.0%, the other points within the rounds' spread. On every tile it
-//     cost M = 16384 +1.2..+4.7% (where a weight tile serves up to four token tiles), so the 8-token
-//     and 128/160-token tiles keep evict-normal.
+//     GEMM2's for the finalize: 12.6 and 33.5 MB at qwen3 M = 1024). Layers, graph replay, three and
+//     four rounds both orders (benchmarks/NOTES.md 2026-12-04 (34)): qwen3 M = 256 -5.8 / -5.9%,
+//     M = 1024 -1.8 / -1.9%, gpt-oss M = 256-1024 -0.5..-1.0%, the other points within the rounds'
+//     spread. On every tile it cost M = 16384 +1.2..+4.7% (where a weight tile serves up to four token
+//     tiles), so the 8-token and 128/160-token tiles keep evict-normal.
 //
 // Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
 // decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
