@@ -309,7 +309,11 @@ struct Mxfp4MoeMainloop {
   static constexpr uint32_t TmaBytesA = TileM * TileK / 2;
   static constexpr uint32_t TmaBytesB = TileN * TileK * 2;
   static constexpr uint32_t TmaBytesS = TileM * Groups;
+#ifdef MC_PROBE_NO_TOKENS   // development probe only: the tokens never load (the GMMAs read whatever B holds)
+  static constexpr uint32_t TmaTransactionBytes = TmaBytesA + TmaBytesS;
+#else
   static constexpr uint32_t TmaTransactionBytes = TmaBytesA + TmaBytesB + TmaBytesS;
+#endif
   static_assert(TmaBytesS % 128 == 0, "scale stage must be a multiple of 128 bytes");
 
   struct SharedStorage {
@@ -497,6 +501,9 @@ struct Mxfp4MoeMainloop {
                                                             : TMA::CacheHintSm90::EVICT_NORMAL;
     uint16_t const mcast_mask = kTokenMcastMask;   // with() takes it by reference
     auto load_tokens = [&](int kt, int write_stage, BarrierType* tma_barrier) {
+#ifdef MC_PROBE_NO_TOKENS
+      return;
+#endif
       if (!b_partial) {
         copy(p.tma_load_b.with(*tma_barrier, mcast_mask), tBgB(_, _, _, kt), tBsB(_, _, _, write_stage));
       } else {
