@@ -309,10 +309,11 @@ struct Mxfp4MoeMainloop {
   static constexpr uint32_t TmaBytesA = TileM * TileK / 2;
   static constexpr uint32_t TmaBytesB = TileN * TileK * 2;
   static constexpr uint32_t TmaBytesS = TileM * Groups;
-#ifdef MC_PROBE_NO_TOKENS   // development probe only: the tokens never load (the GMMAs read whatever B holds)
-  static constexpr uint32_t TmaTransactionBytes = TmaBytesA + TmaBytesS;
-#else
   static constexpr uint32_t TmaTransactionBytes = TmaBytesA + TmaBytesB + TmaBytesS;
+#ifdef MC_PROBE_NO_TOKENS   // development probe only: the tokens never load (the GMMAs read whatever B holds)
+  static constexpr uint32_t TmaExpectBytes = TmaBytesA + TmaBytesS;
+#else
+  static constexpr uint32_t TmaExpectBytes = TmaTransactionBytes;
 #endif
   static_assert(TmaBytesS % 128 == 0, "scale stage must be a multiple of 128 bytes");
 
@@ -377,7 +378,7 @@ struct Mxfp4MoeMainloop {
     TMA_B tma_load_b;
     TMA_B8 tma_load_b8;
     TMA_S tma_load_scale;
-    uint32_t tma_transaction_bytes = TmaTransactionBytes;
+    uint32_t tma_transaction_bytes = TmaExpectBytes;
     int32_t const* offsets;
     MoeRowWindow window;
     int num_experts;
@@ -406,7 +407,7 @@ struct Mxfp4MoeMainloop {
                     make_shape(Int<TileN>{}, Int<TileK>{}), Int<ClusterM>{}),
       make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutB8{}, make_shape(_8{}, Int<TileK>{}), _1{}),
       make_tma_copy(GmemTiledCopyScale{}, tS, SmemLayoutScale{}(_, _, _, Int<0>{}), TileShapeS{}, _1{}),
-      TmaTransactionBytes,
+      TmaExpectBytes,
       args.offsets, args.window, args.num_experts, args.act_rows,
       args.m_pad, args.k_pad, args.k_real, int(args.scale_max > kFastScaleMax)};
     return p;
