@@ -222,11 +222,11 @@ def test_routing_builds_then_hits_the_cache(tmp_path):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_a_probe_build_compiles_is_marked_and_kept_apart(tmp_path):
-    """Both mainloop probes on one GEMM: the macros swap declarations and paths in and out, so only a
+    """Every development probe on one GEMM: the macros swap declarations and paths in and out, so only a
     compile with them catches a name they leave undeclared (kWidthStep was, sessions 31-35)."""
     gen = tmp_path / "generated"
     render.write(render.render(ARCH), gen)
-    probes = ["MC_PROBE_NO_CONVERT", "MC_PROBE_NO_MMA"]
+    probes = ["MC_PROBE_NO_CONVERT", "MC_PROBE_NO_MMA", "MC_PROBE_NO_TOKENS", "MC_PROBE_NO_EPILOGUE"]
     library = build(ARCH, only=["routing", _first_gemm(1)], gen_dir=gen, out_dir=tmp_path / "probe",
                     emit=lambda line: None, defines=probes)
     assert json.loads(library.with_suffix(".manifest.json").read_text())["defines"] == probes
