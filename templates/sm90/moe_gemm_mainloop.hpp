@@ -311,10 +311,12 @@ struct Mxfp4MoeMainloop {
   static constexpr uint32_t TmaBytesS = TileM * Groups;
   static constexpr uint32_t TmaTransactionBytes = TmaBytesA + TmaBytesB + TmaBytesS;
 #ifdef MC_PROBE_NO_TOKENS   // development probe only: the tokens never load (the GMMAs read whatever B holds)
-  static constexpr uint32_t TmaExpectBytes = TmaBytesA + TmaBytesS;
+  static constexpr bool kProbeNoTokens = true;
 #else
-  static constexpr uint32_t TmaExpectBytes = TmaTransactionBytes;
+  static constexpr bool kProbeNoTokens = false;
 #endif
+  // what a stage's barrier expects; the stage count stays TmaTransactionBytes' (moe_gemm_launch.hpp)
+  static constexpr uint32_t TmaExpectBytes = TmaTransactionBytes - (kProbeNoTokens ? TmaBytesB : 0);
   static_assert(TmaBytesS % 128 == 0, "scale stage must be a multiple of 128 bytes");
 
   struct SharedStorage {
@@ -502,9 +504,7 @@ struct Mxfp4MoeMainloop {
                                                             : TMA::CacheHintSm90::EVICT_NORMAL;
     uint16_t const mcast_mask = kTokenMcastMask;   // with() takes it by reference
     auto load_tokens = [&](int kt, int write_stage, BarrierType* tma_barrier) {
-#ifdef MC_PROBE_NO_TOKENS
-      return;
-#endif
+      if constexpr (kProbeNoTokens) return;
       if (!b_partial) {
         copy(p.tma_load_b.with(*tma_barrier, mcast_mask), tBgB(_, _, _, kt), tBsB(_, _, _, write_stage));
       } else {
