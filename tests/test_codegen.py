@@ -226,7 +226,8 @@ def test_a_probe_build_compiles_is_marked_and_kept_apart(tmp_path):
     compile with them catches a name they leave undeclared (kWidthStep was, sessions 31-35)."""
     gen = tmp_path / "generated"
     render.write(render.render(ARCH), gen)
-    probes = ["MC_PROBE_NO_CONVERT", "MC_PROBE_NO_MMA", "MC_PROBE_NO_TOKENS", "MC_PROBE_NO_EPILOGUE"]
+    probes = ["MC_PROBE_NO_CONVERT", "MC_PROBE_NO_MMA", "MC_PROBE_NO_TOKENS", "MC_PROBE_NO_EPILOGUE",
+              "MC_PROBE_NO_LOADS"]
     library = build(ARCH, only=["routing", _first_gemm(1)], gen_dir=gen, out_dir=tmp_path / "probe",
                     emit=lambda line: None, defines=probes)
     assert json.loads(library.with_suffix(".manifest.json").read_text())["defines"] == probes

@@ -310,13 +310,19 @@ struct Mxfp4MoeMainloop {
   static constexpr uint32_t TmaBytesB = TileN * TileK * 2;
   static constexpr uint32_t TmaBytesS = TileM * Groups;
   static constexpr uint32_t TmaTransactionBytes = TmaBytesA + TmaBytesB + TmaBytesS;
+#ifdef MC_PROBE_NO_LOADS   // development probe only: nothing loads (the consumers convert and multiply whatever the stages hold)
+  static constexpr bool kProbeNoLoads = true;
+#else
+  static constexpr bool kProbeNoLoads = false;
+#endif
 #ifdef MC_PROBE_NO_TOKENS   // development probe only: the tokens never load (the GMMAs read whatever B holds)
   static constexpr bool kProbeNoTokens = true;
 #else
-  static constexpr bool kProbeNoTokens = false;
+  static constexpr bool kProbeNoTokens = kProbeNoLoads;
 #endif
   // what a stage's barrier expects; the stage count stays TmaTransactionBytes' (moe_gemm_launch.hpp)
-  static constexpr uint32_t TmaExpectBytes = TmaTransactionBytes - (kProbeNoTokens ? TmaBytesB : 0);
+  static constexpr uint32_t TmaExpectBytes =
+      kProbeNoLoads ? 0 : TmaTransactionBytes - (kProbeNoTokens ? TmaBytesB : 0);
   static_assert(TmaBytesS % 128 == 0, "scale stage must be a multiple of 128 bytes");
 
   struct SharedStorage {
@@ -529,7 +535,7 @@ struct Mxfp4MoeMainloop {
       auto kit = k_tile_iter;
       for (int j = 0; j < early; ++j, ++kit, ++write) {
         pipeline.producer_acquire(write);
-        if (cute::elect_one_sync()) {
+        if (!kProbeNoLoads && cute::elect_one_sync()) {
           BarrierType* tma_barrier = pipeline.producer_get_barrier(write);
           copy(p.tma_load_a.with(*tma_barrier, 0, kWeightHint), tAgA(_, _, _, _, *kit), tAsA(_, _, _, _, write.index()));
           copy(p.tma_load_scale.with(*tma_barrier, 0, kWeightHint), tSgS(_, _, _, _, *kit), tSsS(_, _, _, _, write.index()));
@@ -550,7 +556,7 @@ struct Mxfp4MoeMainloop {
       pipeline.producer_acquire(smem_pipe_write);
       BarrierType* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
       int write_stage = smem_pipe_write.index();
-      if (cute::elect_one_sync()) {
+      if (!kProbeNoLoads && cute::elect_one_sync()) {
         int kt = *k_tile_iter;
         copy(p.tma_load_a.with(*tma_barrier, 0, kWeightHint), tAgA(_, _, _, _, kt), tAsA(_, _, _, _, write_stage));
         load_tokens(kt, write_stage, tma_barrier);
