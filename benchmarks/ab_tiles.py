@@ -2,6 +2,7 @@
 moe_cutlass/_gemm.pick_config's thresholds and _gemm.plan's split into per-expert parts.
 
 usage: python -m benchmarks.ab_tiles [--configs a,b] [--ms 16,64,...] [--tiles n8k256,...,plan] [--reps 30] [--rounds 5]
+                                    [--routing uniform|dirichlet|zipf]
 (a tile is a 128-row cooperative tile such as n64k128, or a whole config suffix such as m64n128k128_pingpong)
 
 For every shape and M, the whole layer runs once per candidate, as CUDA-graph replay with the L2
@@ -13,6 +14,7 @@ launch per GEMM over every row, the same tile for both GEMMs), "plan", what fuse
 (_gemm.plan: one tile, or parts whose tile the device picks per expert), or "plan-tXY", the plan
 with GEMM1's / GEMM2's tiles of up to 64 tokens in their 192-row versions where X / Y is 1, or
 "split-128+96+64+32+16", the plan with split_plan combining those token tiles instead of SPLIT_TILES, or
+"plan@SKEW_PARTS_ROWS=inf", the rule with moe_cutlass._gemm's named constants set so, or
 "exact-m192n128k128+m128n96k128+...", the split plan of exactly those tiles (no 192-row mapping). The
 record ("kind": "bench") holds one row per (shape, M, candidate) with "tile" (for "plan", the
 plan's tiles, e.g. "plan:n128+n64+n32") and "picked" (the candidate fused_moe runs).
@@ -24,6 +26,7 @@ from unittest import mock
 import torch
 
 import moe_cutlass as mc
+from benchmarks import routings
 from benchmarks.bench_moe import CONFIGS, Timer, floor_us, graph_of, measure_floors, random_batch, random_experts
 from benchmarks.record import write_record
 from moe_cutlass import _gemm, ops
@@ -55,6 +58,10 @@ def candidate(tile, M, k, E, available=None, ks=None):
     rule = _gemm.plan(M * k, E, available, ks=ks)
     if tile == "plan":
         return label(rule), rule, True
+    if tile.startswith("plan@"):
+        with mock.patch.multiple(_gemm, **plan_constants(tile)):
+            forced = _gemm.plan(M * k, E, available, ks=ks)
+        return f"{tile}:{label(forced)}", forced, label(forced) == label(rule)
     if tile.startswith("plan-t"):
         forced = _gemm.plan(M * k, E, available, tall_tiles=(tile[-2] == "1", tile[-1] == "1"), ks=ks)
         return f"{tile}:{label(forced)}", forced, False
@@ -65,6 +72,18 @@ def candidate(tile, M, k, E, available=None, ks=None):
         return f"{'exact' if exact else tile}:{label(forced)}", forced, label(forced) == label(rule)
     forced = one_tile(tile)
     return tile, forced, label(forced) == label(rule)
+
+
+def plan_constants(candidate):
+    """{name: value} of a "plan@SKEW_PARTS_ROWS=inf@ALL_PARTS_ROWS=64" candidate: the rule run with those
+    moe_cutlass._gemm constants (numbers; inf switches a from-this-many-rows rule off)."""
+    constants = {}
+    for item in candidate.split("@")[1:]:
+        name, _, value = item.partition("=")
+        if not hasattr(_gemm, name) or not isinstance(getattr(_gemm, name), (int, float)):
+            raise ValueError(f"{candidate!r}: {name!r} is not a numeric constant of moe_cutlass._gemm")
+        constants[name] = float(value) if value in ("inf", "-inf") or "." in value else int(value)
+    return constants
 
 
 def split_tiles(candidate):
@@ -88,12 +107,12 @@ def one_tile(tile):
     return _gemm.single(f"moe_gemm1_{tile}" if "_" in tile else f"moe_gemm1_m128{tile}_coop")
 
 
-def time_tiles(name, tokens, tiles, timer, floors, gen, rounds):
+def time_tiles(name, tokens, tiles, timer, floors, gen, rounds, routing="uniform"):
     E, H, I, k = CONFIGS[name]
     experts = random_experts(E, H, I, gen)
     rows = []
     for M in tokens:
-        x, weights, ids = random_batch(M, E, H, k, gen)
+        x, weights, ids = random_batch(M, E, H, k, gen, routing)
         out = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
         floor = floor_us(M, E, H, I, k, ids, floors)
         graphs, names, picked = [], [], []
@@ -108,7 +127,7 @@ def time_tiles(name, tokens, tiles, timer, floors, gen, rounds):
         per_round = Timer(max(5, timer.reps // rounds), timer.flush_buf)
         times = interleaved_us([g.replay for g in graphs], lambda fn: per_round.median_us(fn, warmup=2), rounds)
         for tile, is_rule, us in zip(names, picked, times):
-            rows.append({"impl": "moe_cutlass", "config": name, "M": M, "mode": "graph", "tile": tile,
+            rows.append({"impl": "moe_cutlass", "config": name, "M": M, "mode": "graph", "routing": routing, "tile": tile,
                          "picked": is_rule, "us": us, "floor_us": floor, "x_floor": us / floor})
             print(f"{name:14s} M={M:6d} {tile:30s}{'*' if is_rule else ' '} {us:9.1f} us  x{us / floor:5.2f}",
                   flush=True)
@@ -133,6 +152,8 @@ def main():
     parser.add_argument("--tiles", default=",".join(TILES))
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--routing", default="uniform", choices=routings.ROUTINGS,
+                        help="the top-k routing of the batches (benchmarks/routings.py)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
     timer = Timer(args.reps)
@@ -142,9 +163,10 @@ def main():
     rows = []
     for name in args.configs.split(","):
         rows += time_tiles(name, [int(m) for m in args.ms.split(",")], args.tiles.split(","), timer, floors, gen,
-                           args.rounds)
+                           args.rounds, args.routing)
         torch.cuda.empty_cache()
-    run = {"floors": floors, "reps": args.reps, "rounds": args.rounds, "ab": "tiles", "rows": rows}
+    run = {"floors": floors, "reps": args.reps, "rounds": args.rounds, "ab": "tiles", "routing": args.routing,
+           "rows": rows}
     path = write_record("bench", run, args.out_dir)
     print(f"record: {path}")
 

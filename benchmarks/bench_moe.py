@@ -1,6 +1,6 @@
 """Time moe_cutlass.fused_moe on the DESIGN.md section 5 shapes, as multiples of the floor.
 
-usage: python -m benchmarks.bench_moe [--configs a,b] [--ms 1,4,...] [--reps 100] [--out-dir DIR]
+usage: python -m benchmarks.bench_moe [--configs a,b] [--ms 1,4,...] [--reps 100] [--routing uniform] [--out-dir DIR]
 
 The floor of one layer = max(MXFP4 bytes of the active experts' weights (4.25 bits/weight) plus
 activations in and out / copy bandwidth, 2*M*k*3*H*I / BF16 matmul rate), both ceilings
@@ -17,6 +17,7 @@ import torch
 
 import moe_cutlass as mc
 from moe_cutlass import ops
+from benchmarks import routings
 from benchmarks.record import write_record
 
 CONFIGS = {
@@ -87,8 +88,14 @@ def random_mxfp4(E, N, K, gen):
     return blocks, scales
 
 
-def random_routing(M, E, k, gen):
-    ids = torch.rand(M, E, device="cuda", generator=gen).topk(k, dim=1).indices.to(torch.int32)
+def random_routing(M, E, k, gen, routing="uniform"):
+    """(weights, int32 ids) of M tokens under `routing` (benchmarks/routings.py; the skewed ones are drawn
+    on the CPU from a seed that gen gives)."""
+    if routing == "uniform":
+        ids = torch.rand(M, E, device="cuda", generator=gen).topk(k, dim=1).indices.to(torch.int32)
+    else:
+        seed = int(torch.randint(0, 1 << 62, (), device="cuda", generator=gen))
+        ids = routings.route(routing, M, E, k, torch.Generator().manual_seed(seed)).to("cuda", torch.int32)
     weights = torch.randn(M, k, device="cuda", generator=gen).softmax(dim=1)
     return weights, ids
 
@@ -98,10 +105,10 @@ def random_experts(E, H, I, gen):
     return mc.prepare_experts(*random_mxfp4(E, 2 * I, H, gen), *random_mxfp4(E, H, I, gen))
 
 
-def random_batch(M, E, H, k, gen):
+def random_batch(M, E, H, k, gen, routing="uniform"):
     """(hidden_states, topk_weights, topk_ids) of M tokens under random top-k routing."""
     x = torch.randn(M, H, dtype=torch.bfloat16, device="cuda", generator=gen)
-    return (x, *random_routing(M, E, k, gen))
+    return (x, *random_routing(M, E, k, gen, routing))
 
 
 def floor_bytes(M, E, H, I, ids):
@@ -168,14 +175,15 @@ def compare_pdl(name, M, run, timer, floor, rounds=3):
     return rows
 
 
-def bench_config(name, tokens, timer, floors, gen, batch_invariant=False, compare_paths=False, pdl_ab=False):
+def bench_config(name, tokens, timer, floors, gen, batch_invariant=False, compare_paths=False, pdl_ab=False,
+                 routing="uniform"):
     E, H, I, k = CONFIGS[name]
     experts = random_experts(E, H, I, gen)
     rows = []
     defaults = ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS
     for M, (path, limits) in ((M, p) for M in tokens for p in paths_of(M, k, H, I, compare_paths)):
         ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS = limits
-        x, weights, ids = random_batch(M, E, H, k, gen)
+        x, weights, ids = random_batch(M, E, H, k, gen, routing)
         out = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
 
         def run():
@@ -217,6 +225,8 @@ def main():
                         help="time both the one-launch layer and the four launches wherever the former can run")
     parser.add_argument("--compare-pdl", action="store_true",
                         help="graph replay only, with and without programmatic dependent launches, interleaved")
+    parser.add_argument("--routing", default="uniform", choices=routings.ROUTINGS,
+                        help="the top-k routing of the batches (benchmarks/routings.py)")
     args = parser.parse_args()
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
@@ -232,9 +242,10 @@ def main():
     rows = []
     for name in names:
         rows += bench_config(name, tokens, timer, floors, gen, args.batch_invariant, args.compare_paths,
-                             args.compare_pdl)
+                             args.compare_pdl, args.routing)
         torch.cuda.empty_cache()
-    path = write_record("bench", {"floors": floors, "reps": args.reps, "rows": rows}, args.out_dir)
+    path = write_record("bench", {"floors": floors, "reps": args.reps, "routing": args.routing, "rows": rows},
+                        args.out_dir)
     print(f"record: {path}")
 
 

@@ -32,8 +32,11 @@ def main():
     rows = [row for res in results for row in rows_of(res)]
     floors = {"hbm_bytes_per_s": results[0]["hbm_bytes_per_s"], "bf16_flops_per_s": results[0]["bf16_flops_per_s"]}
     # The run happened on the GPU machine: its device name, not this machine's, goes in the record.
-    path = write_record("bench", {"device": results[0]["device"], "source": "anchors/peers_bench.py",
-                                  "peers": results[0]["peers"], "floors": floors, "rows": rows}, args.out_dir)
+    run = {"device": results[0]["device"], "source": "anchors/peers_bench.py", "peers": results[0]["peers"],
+           "floors": floors, "rows": rows}
+    if "routing" in results[0]:   # benchmarks/peers_skewed.py's run
+        run.update({key: results[0][key] for key in ("routing", "dirichlet_alpha", "zipf_exponent")})
+    path = write_record("bench", run, args.out_dir)
     print(f"record: {path}")
     for cfg in dict.fromkeys(r["config"] for r in rows):
         for M in dict.fromkeys(r["M"] for r in rows if r["config"] == cfg):

@@ -4,13 +4,8 @@ weights are streamed.
 
 usage: python -m benchmarks.tile_waste [--ms 1,4,16,...] [--configs a,b] [--seeds 5] [--out-dir DIR]
 
-For every shape of bench_moe.CONFIGS, every M and three routings, --seeds batches are drawn and
-the rows per expert r_e counted:
-- "uniform": bench_moe's routing, the top k of uniform scores (k distinct experts per token);
-- "dirichlet": expert popularity p ~ Dirichlet(DIRICHLET_ALPHA) per batch, then k distinct
-  experts per token drawn without replacement with probability proportional to p;
-- "zipf": p_e proportional to 1 / rank^ZIPF_EXPONENT over a random order of the experts, then
-  the same draw.
+For every shape of bench_moe.CONFIGS, every M and the three routings of benchmarks/routings.py
+(uniform, Dirichlet, Zipf), --seeds batches are drawn and the rows per expert r_e counted.
 A scheme gives expert e tiles that cover padded_e >= r_e rows. Per scheme the record holds
 waste = sum padded_e / sum r_e (padded MMA work over useful work) and re-stream = tiles over
 active experts (how many times each active expert's weights are streamed; 1 is ideal). Schemes:
@@ -33,36 +28,11 @@ import torch
 
 from benchmarks.bench_moe import CONFIGS, TOKENS
 from benchmarks.record import record_main
+from benchmarks.routings import DIRICHLET_ALPHA, ROUTINGS, ZIPF_EXPONENT, route, rows_per_expert
 from moe_cutlass import _gemm
 
-ROUTINGS = ("uniform", "dirichlet", "zipf")
 TILES = (8, 16, 32, 64, 128)  # the TileN of the built GEMM configs
 REM_TILE, REM_QUANTUM = 128, 32
-DIRICHLET_ALPHA = 0.3
-ZIPF_EXPONENT = 1.0
-
-
-def route(kind, M, E, k, gen):
-    """int64 [M, k] expert ids, k distinct per token, under routing `kind`."""
-    if kind == "uniform":
-        return torch.rand(M, E, generator=gen).topk(k, dim=1).indices
-    if kind == "dirichlet":
-        # torch's Gamma sampler takes no generator: draw from the global RNG seeded from `gen`,
-        # inside fork_rng so that the caller's global RNG is left as it was.
-        seed = int(torch.randint(0, 1 << 62, (), generator=gen))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            p = torch.distributions.Dirichlet(torch.full((E,), DIRICHLET_ALPHA, dtype=torch.float64)).sample()
-    elif kind == "zipf":
-        rank = torch.randperm(E, generator=gen).to(torch.float64) + 1
-        p = rank ** -ZIPF_EXPONENT
-    else:
-        raise ValueError(f"unknown routing {kind!r}; known: {ROUTINGS}")
-    return torch.multinomial(p.expand(M, E), k, replacement=False, generator=gen)
-
-
-def rows_per_expert(ids, E):
-    return torch.bincount(ids.flatten(), minlength=E)
 
 
 def one_tile(rows, n):

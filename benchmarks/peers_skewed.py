@@ -1,0 +1,61 @@
+"""The anchors' peer benchmark (../shared/anchors/peers_bench.py) under a skewed routing: the same
+peers, inputs, floors and timing, in one run, with each batch's top-k experts drawn by
+benchmarks/routings.py (Dirichlet or Zipf expert popularity) instead of the anchors' uniform draw.
+The floor follows the routing (peers_bench counts the active experts' weights).
+
+usage: python -m benchmarks.peers_skewed PEERS_BENCH OUT_JSON --routing zipf [--ms 256,1024] [config ...]
+then:  python -m benchmarks.peers_record OUT_JSON   (the record carries "routing")
+"""
+import argparse
+import importlib.util
+import json
+
+import torch
+
+from benchmarks import routings
+
+
+def skewed_route(kind):
+    """A peers_bench.route replacement: (weights [M, k] float32 summing to 1, int32 ids [M, k]) on the GPU,
+    the ids drawn under `kind` on the CPU from a seed that the run's generator g gives."""
+    def route(M, E, topk, g):
+        seed = int(torch.randint(0, 1 << 62, (), device="cuda", generator=g))
+        ids = routings.route(kind, M, E, topk, torch.Generator().manual_seed(seed))
+        weights = torch.rand(M, topk, device="cuda", generator=g) + 0.1
+        return (weights / weights.sum(-1, keepdim=True)).float(), ids.to("cuda", torch.int32)
+    return route
+
+
+def load_peers_bench(path):
+    spec = importlib.util.spec_from_file_location("peers_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("peers_bench", help="path of the anchors' peers_bench.py")
+    parser.add_argument("out_json")
+    parser.add_argument("configs", nargs="*")
+    parser.add_argument("--routing", required=True, choices=[r for r in routings.ROUTINGS if r != "uniform"])
+    parser.add_argument("--ms", default="256,1024,4096,16384")
+    args = parser.parse_args(argv)
+    bench = load_peers_bench(args.peers_bench)
+    unknown = [c for c in args.configs if c not in bench.CONFIGS]
+    if unknown:
+        parser.error(f"unknown configs {unknown}; known: {list(bench.CONFIGS)}")
+    bench.MS = [int(m) for m in args.ms.split(",")]
+    bench.route = skewed_route(args.routing)
+    bench.sys.argv = [args.peers_bench, args.out_json, *args.configs]
+    bench.main()
+    with open(args.out_json) as f:
+        result = json.load(f)
+    result.update(routing=args.routing, dirichlet_alpha=routings.DIRICHLET_ALPHA,
+                  zipf_exponent=routings.ZIPF_EXPONENT)
+    with open(args.out_json, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

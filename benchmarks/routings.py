@@ -1,0 +1,38 @@
+"""Synthetic top-k routings for the benchmarks: the uniform one that bench_moe times (and the anchors'
+peer benchmark draws alike) and two skewed ones, for tile_waste's simulation, ab_tiles' plan A/Bs and
+the peer benchmark under skew (peers_skewed).
+
+- "uniform": the top k of uniform scores (k distinct experts per token);
+- "dirichlet": expert popularity p ~ Dirichlet(DIRICHLET_ALPHA) per batch, then k distinct
+  experts per token drawn without replacement with probability proportional to p;
+- "zipf": p_e proportional to 1 / rank^ZIPF_EXPONENT over a random order of the experts, then
+  the same draw.
+"""
+import torch
+
+ROUTINGS = ("uniform", "dirichlet", "zipf")
+DIRICHLET_ALPHA = 0.3
+ZIPF_EXPONENT = 1.0
+
+
+def route(kind, M, E, k, gen):
+    """int64 [M, k] expert ids on the CPU, k distinct per token, under routing `kind` (gen: a CPU generator)."""
+    if kind == "uniform":
+        return torch.rand(M, E, generator=gen).topk(k, dim=1).indices
+    if kind == "dirichlet":
+        # torch's Gamma sampler takes no generator: draw from the global RNG seeded from `gen`,
+        # inside fork_rng so that the caller's global RNG is left as it was.
+        seed = int(torch.randint(0, 1 << 62, (), generator=gen))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            p = torch.distributions.Dirichlet(torch.full((E,), DIRICHLET_ALPHA, dtype=torch.float64)).sample()
+    elif kind == "zipf":
+        rank = torch.randperm(E, generator=gen).to(torch.float64) + 1
+        p = rank ** -ZIPF_EXPONENT
+    else:
+        raise ValueError(f"unknown routing {kind!r}; known: {ROUTINGS}")
+    return torch.multinomial(p.expand(M, E), k, replacement=False, generator=gen)
+
+
+def rows_per_expert(ids, E):
+    return torch.bincount(ids.flatten(), minlength=E)
