@@ -158,19 +158,22 @@ def split_plan(rows: int, num_experts: int, tiles=None) -> Plan:
     sizes = [tile_n(t) for t in tiles]
     # the smallest power-of-two tile above the spread, else the largest tile (160 with WIDE_TILE)
     chunk = next((n for n in reversed(sizes) if n >= hi and n & (n - 1) == 0), sizes[0])
-    skew = mean >= SKEW_PARTS_ROWS and SKEW_TILE_N in sizes
+    skew = mean >= SKEW_PARTS_ROWS and SKEW_TILE_N in sizes and chunk <= SKEW_TILE_N
     if skew:
-        chunk = max(chunk, SKEW_TILE_N)
+        chunk = SKEW_TILE_N
     needed = {chunk} if hi >= chunk else set()   # full chunks expected
     for r in range(int(lo), int(math.ceil(hi)) + 1):
         if r % chunk:
             needed.add(min(n for n in sizes if n >= r % chunk))
     # The largest kept part also takes the full chunks and any remainder above it (its window ends
     # at the chunk): rows past the expected spread, in more than one of its tiles.
-    kept = [(t, n) for t, n in zip(tiles, sizes)
-            if n <= chunk and (n in needed or mean >= ALL_PARTS_ROWS or skew and n == SKEW_TILE_N)]
-    return Plan(chunk, tuple((f"moe_gemm1_{t}", f"moe_gemm2_{t}", kept[i + 1][1] if i + 1 < len(kept) else 0,
-                              chunk if i == 0 else n) for i, (t, n) in enumerate(kept)))
+    kept = [(t, n) for t, n in zip(tiles, sizes) if n <= chunk and (n in needed or mean >= ALL_PARTS_ROWS)]
+    windows = [(t, kept[i + 1][1] if i + 1 < len(kept) else 0, chunk if i == 0 else n) for i, (t, n) in enumerate(kept)]
+    if skew and kept[0][1] < chunk:
+        # the full chunks alone, launched last; the largest kept part takes the remainders above the next one
+        windows[0] = (windows[0][0], windows[0][1], chunk - 1)
+        windows.append((tiles[sizes.index(SKEW_TILE_N)], chunk - 1, chunk))
+    return Plan(chunk, tuple((f"moe_gemm1_{t}", f"moe_gemm2_{t}", lo, hi) for t, lo, hi in windows))
 
 
 # The 192-row versions (three consumer warpgroups, templates/sm90/moe_gemm_kernel.hpp) of the
