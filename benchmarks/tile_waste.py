@@ -81,9 +81,9 @@ def factors(rows, scheme):
 
 
 def measure(name, M, routing, seeds):
-    E, _, _, k = CONFIGS[name]
+    E, H, I, k = CONFIGS[name]
     picked = _gemm.tile_n(_gemm.pick_config(1, M * k, E))
-    plan = _gemm.plan(M * k, E)
+    plan = _gemm.plan(M * k, E, ks=(H, I))
     schemes = {"pick": lambda rows: one_tile(rows, picked), "plan": lambda rows: planned(rows, plan),
                "gmma": lambda rows: planned(rows, plan, gmma=True), "rem128": rem128, "oracle": oracle}
     sums = {}

@@ -129,17 +129,23 @@ ALL_PARTS_ROWS = 96
 # 1.5% against the power-of-two mask, measured in both orders (NOTES.md 2026-12-02 (29)).
 WIDE_TILE = "m128n160k128_coop"
 WIDE_MAX_ROWS = 256
-# From SKEW_PARTS_ROWS rows per expert on, the SKEW_TILE_N-token part is launched too and the chunk is at
-# least SKEW_TILE_N rows, whatever the spread says: under skewed routing a busy expert's full chunks then
-# run in 128-token tiles, where the ridge's plan of 64 / 32-token parts (chunk 64) streamed and converted its
-# weights once per 64 rows. tile_waste (GMMA waste / weight passes per active expert, Dirichlet routing):
-# dsv3 M = 1024 1.09 / 1.35 -> 1.21 / 1.10, qwen3 M = 1024 1.34 / 1.59 -> 1.24 / 1.32; uniform routing
-# unchanged, the part without rows launched for nothing.
-SKEW_PARTS_ROWS = 12
+# Where an expert holds at least SKEW_PART_MIN_WEIGHTS weights per GEMM (hidden x intermediate size), every
+# split plan launches the SKEW_TILE_N-token part too, first, with chunks of SKEW_TILE_N rows, whatever the
+# spread says: under skewed routing a busy expert's full chunks and any remainder above the spread's
+# parts then run in 128-token tiles, where the ridge's 64 / 32-token parts (chunks of 64) streamed and
+# converted its weights once per 64 or 32 rows. Layers in graph replay, the plan against the rule without
+# that part, five rounds interleaved, M = 512 / 1024 / 2048 (benchmarks/results/raw/bench_20261204T1234*Z_
+# skew_part_first_*.json, ab_tiles --routing): Dirichlet routing gpt-oss -9.6 / -7.2 / -8.6%, dsv3 -7.4 / -9.4 / -11.7%, dsv4-flash
+# (M = 1024 / 2048) -0.8 / -10.1%; Zipf -0.3..-8.6%; uniform routing, where the part gets no rows, -1.0..+3.4%
+# (its two launches). qwen3 (1.6 M weights an expert: a pass of them costs less than those launches) lost
+# 3-11% at M = 256-512 under every routing, so it keeps the rule's parts. The part launched last and taking
+# full chunks only measured worse under skew (dsv3 M = 1024 Dirichlet +4.5%; raw/bench_20261204T1237*Z_
+# skew_part_last_full_chunks_*.json).
+SKEW_PART_MIN_WEIGHTS = 4 << 20
 SKEW_TILE_N = 128
 
 
-def split_plan(rows: int, num_experts: int, tiles=None) -> Plan:
+def split_plan(rows: int, num_experts: int, tiles=None, expert_weights=None) -> Plan:
     """Parts of token tiles (160 /) 128 / 96 / 64 / 32 that the device chooses between per expert: each
     expert's full 128-row (160-row: WIDE_TILE) chunks and a remainder above 96 (128) in the largest tile, a remainder in
     (64, 96] in the 96-token tile, and so on down to 32 (KERNEL_NOTES H.4: one tile per launch
@@ -148,8 +154,9 @@ def split_plan(rows: int, num_experts: int, tiles=None) -> Plan:
     needs are left out (a launch without rows still costs a few microseconds), their windows
     merged into the next larger part's; the chunk is the smallest power-of-two tile above the
     spread, else the largest tile. Skewed routing is still right, its outliers in larger or more tiles
-    than they need. tiles: the config suffixes to combine, largest first (default SPLIT_TILES, with
-    WIDE_TILE ahead of them up to WIDE_MAX_ROWS rows per expert)."""
+    than they need; with expert_weights (hidden x intermediate size) of at least SKEW_PART_MIN_WEIGHTS,
+    the 128-token part takes them in chunks of 128. tiles: the config suffixes to combine, largest first
+    (default SPLIT_TILES, with WIDE_TILE ahead of them up to WIDE_MAX_ROWS rows per expert)."""
     mean = rows / max(1, num_experts)
     lo, hi = max(0.0, mean - SPREAD_SDS * math.sqrt(mean)), mean + SPREAD_SDS * math.sqrt(mean)
     if tiles is None:
@@ -158,7 +165,8 @@ def split_plan(rows: int, num_experts: int, tiles=None) -> Plan:
     sizes = [tile_n(t) for t in tiles]
     # the smallest power-of-two tile above the spread, else the largest tile (160 with WIDE_TILE)
     chunk = next((n for n in reversed(sizes) if n >= hi and n & (n - 1) == 0), sizes[0])
-    skew = mean >= SKEW_PARTS_ROWS and SKEW_TILE_N in sizes and chunk <= SKEW_TILE_N
+    skew = (expert_weights is not None and expert_weights >= SKEW_PART_MIN_WEIGHTS and SKEW_TILE_N in sizes
+            and chunk <= SKEW_TILE_N)
     if skew:
         chunk = SKEW_TILE_N
     needed = {chunk} if hi >= chunk else set()   # full chunks expected
@@ -167,13 +175,10 @@ def split_plan(rows: int, num_experts: int, tiles=None) -> Plan:
             needed.add(min(n for n in sizes if n >= r % chunk))
     # The largest kept part also takes the full chunks and any remainder above it (its window ends
     # at the chunk): rows past the expected spread, in more than one of its tiles.
-    kept = [(t, n) for t, n in zip(tiles, sizes) if n <= chunk and (n in needed or mean >= ALL_PARTS_ROWS)]
-    windows = [(t, kept[i + 1][1] if i + 1 < len(kept) else 0, chunk if i == 0 else n) for i, (t, n) in enumerate(kept)]
-    if skew and kept[0][1] < chunk:
-        # the full chunks alone, launched last; the largest kept part takes the remainders above the next one
-        windows[0] = (windows[0][0], windows[0][1], chunk - 1)
-        windows.append((tiles[sizes.index(SKEW_TILE_N)], chunk - 1, chunk))
-    return Plan(chunk, tuple((f"moe_gemm1_{t}", f"moe_gemm2_{t}", lo, hi) for t, lo, hi in windows))
+    kept = [(t, n) for t, n in zip(tiles, sizes)
+            if n <= chunk and (n in needed or mean >= ALL_PARTS_ROWS or skew and n == SKEW_TILE_N)]
+    return Plan(chunk, tuple((f"moe_gemm1_{t}", f"moe_gemm2_{t}", kept[i + 1][1] if i + 1 < len(kept) else 0,
+                              chunk if i == 0 else n) for i, (t, n) in enumerate(kept)))
 
 
 # The 192-row versions (three consumer warpgroups, templates/sm90/moe_gemm_kernel.hpp) of the
@@ -270,7 +275,8 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
     overrides which GEMM's tiles run on 192 rows (for A/B; not with batch_invariant); split_tiles
     overrides SPLIT_TILES (for A/B; its tiles run as named, no cluster added). ks = (GEMM1's K, GEMM2's K),
     i.e. (hidden, intermediate) size, where known: 192-row tiles with TileK 256 where K allows
-    (TALL_TILES_K256). From CLUSTER_MIN_ROWS rows per expert the 128-token part runs in clusters of two.
+    (TALL_TILES_K256), and the 128-token part for skewed routing where the experts are large
+    (SKEW_PART_MIN_WEIGHTS). From CLUSTER_MIN_ROWS rows per expert the 128-token part runs in clusters of two.
     tall_gemm2_min_k overrides TALL_GEMM2_MIN_K (for A/B)."""
     per_expert = rows / max(1, num_experts)
     if batch_invariant or per_expert <= SPLIT_MIN_ROWS:
@@ -281,7 +287,7 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
         tiles = split_tiles
         if tiles is None and available is not None and f"moe_gemm1_{WIDE_TILE}" not in available:
             tiles = SPLIT_TILES   # a library built before the 160-token tile
-        p, rule = split_plan(rows, num_experts, tiles), BOTH_TALL
+        p, rule = split_plan(rows, num_experts, tiles, None if ks is None else ks[0] * ks[1]), BOTH_TALL
         if available is not None and not all(part[0] in available for part in p.parts):
             p, rule = single(pick_config(1, rows, num_experts, available, batch_invariant)), NO_TALL
     if batch_invariant:

@@ -71,3 +71,17 @@ def test_split_candidates_combine_the_token_tiles_they_name():
         takes = [_gemm.window_rows(rows, chunk, lo, hi)[1] for lo, hi in windows]
         assert sum(takes) == rows
     assert candidate("split-128+96+64+32", 1024, 6, 256)[2]   # SPLIT_TILES itself: the rule
+
+
+def test_plan_constant_candidates_run_the_rule_with_those_constants():
+    import pytest
+
+    name, plan, picked = candidate("plan@SKEW_PART_MIN_WEIGHTS=inf", 1024, 8, 256, ks=(7168, 2048))   # dsv3
+    assert name == "plan@SKEW_PART_MIN_WEIGHTS=inf:plan:n64t+n32t" and not picked
+    assert [p[2:] for p in plan.parts] == [p[2:] for p in _gemm.plan(1024 * 8, 256).parts]   # the rule without ks
+    assert _gemm.SKEW_PART_MIN_WEIGHTS == 4 << 20   # restored after
+    assert candidate("plan", 1024, 8, 256, ks=(7168, 2048))[0] == "plan:n128t+n64t+n32t"
+    assert candidate("plan@ALL_PARTS_ROWS=12", 1024, 8, 256, ks=(7168, 2048))[0].endswith(":plan:n128t+n96t+n64t+n32t")
+    for bad in ("plan@NO_SUCH=1", "plan@WIDE_TILE=1"):
+        with pytest.raises(ValueError, match="numeric constant"):
+            candidate(bad, 1024, 8, 256)

@@ -84,15 +84,17 @@ SHAPE_ROUTES = {"qwen3-30b-a3b": (128, 8), "gpt-oss-120b": (128, 4), "dsv4-flash
                 "e8k2": (8, 2)}
 
 
-@pytest.mark.parametrize("M", [1, 16, 64, 256, 300, 1000, 1024, 2048, 3072, 4096, 16384, 10 ** 6])
+@pytest.mark.parametrize("ks", [None, (7168, 2048)])
+@pytest.mark.parametrize("M", [1, 16, 64, 256, 300, 512, 1000, 1024, 2048, 3072, 4096, 16384, 10 ** 6])
 @pytest.mark.parametrize("shape", list(SHAPE_ROUTES))
-def test_plan_parts_take_every_row_once(shape, M):
+def test_plan_parts_take_every_row_once(shape, M, ks):
     """Whatever an expert's row count, the parts of the GEMM plan take each of its rows exactly once,
-    as one contiguous run per part, and each part's token tile holds its remainder."""
+    as one contiguous run per part, and each part's token tile holds its remainder (ks: large experts,
+    whose split plans lead with the skew part)."""
     from moe_cutlass import _gemm
 
     E, k = SHAPE_ROUTES[shape]
-    plan = _gemm.plan(M * k, E)
+    plan = _gemm.plan(M * k, E, ks=ks)
     assert 1 <= len(plan.parts) <= mc.ops.MAX_GEMM_PARTS
     tiles = [_gemm.tile_n(part[0]) for part in plan.parts]
     assert tiles == sorted(tiles, reverse=True) and all(_gemm.tile_n(p[1]) == _gemm.tile_n(p[0]) for p in plan.parts)
@@ -159,12 +161,37 @@ def test_plan_splits_only_above_the_streaming_tiles():
     assert _gemm.plan(4096 * 4, 128, available=only) == _gemm.single("moe_gemm1_m128n128k128_coop")
 
 
+@pytest.mark.parametrize("shape", ["gpt-oss-120b", "dsv4-flash", "dsv3"])
+def test_split_plans_of_large_experts_lead_with_the_128_token_part(shape):
+    """Skewed routing's busy experts: with (hidden, intermediate) given and at least SKEW_PART_MIN_WEIGHTS weights an
+    expert, every split plan launches the 128-token part first, over chunks of 128 rows, and the rule's parts after
+    it; the spread's parts stay as without it. qwen3's small experts, and calls whose K is not given, keep the rule."""
+    from moe_cutlass import _gemm
+
+    E, k = SHAPE_ROUTES[shape]
+    H, I = {"gpt-oss-120b": (2880, 2880), "dsv4-flash": (4096, 2048), "dsv3": (7168, 2048)}[shape]
+    for M in (512, 1024, 2048):
+        rows = M * k
+        if rows / E <= _gemm.SPLIT_MIN_ROWS:
+            continue
+        plan, rule = _gemm.plan(rows, E, ks=(H, I)), _gemm.plan(rows, E)
+        assert plan.chunk == 128 and _gemm.tile_n(plan.parts[0][0]) == 128 and plan.parts[0][3] == 128
+        assert [_gemm.tile_n(p[0]) for p in plan.parts[1:]] == [_gemm.tile_n(p[0]) for p in rule.parts]
+        assert all(p[3] == _gemm.tile_n(p[0]) for p in plan.parts[1:])   # each takes the remainders its tile holds
+        assert plan.parts[0][2] == _gemm.tile_n(plan.parts[1][0])   # the remainders above them
+    for M, tiles in ((512, [64, 32]), (1024, [96, 64])):   # qwen3: 1.5 M weights an expert
+        qwen3 = _gemm.plan(M * 8, 128, ks=(2048, 768))
+        assert [_gemm.tile_n(p[0]) for p in qwen3.parts] == tiles and qwen3.chunk == _gemm.plan(M * 8, 128).chunk
+    # from ALL_PARTS_ROWS on every part is launched anyway: the same plan with or without ks
+    assert [p[2:] for p in _gemm.plan(4096 * 4, 128, ks=(2880, 2880)).parts] == [p[2:] for p in _gemm.plan(4096 * 4, 128).parts]
+
+
 def test_ridge_parts_keep_tilek_256_on_192_rows_where_k_allows():
     from moe_cutlass import _gemm
 
-    def tiles(ks, available=None):
+    def tiles(ks, available=None):   # dsv3 M = 1024: 64 + 32 (after the skew part's 128, where ks names large experts)
         return [(c1[len("moe_gemm1_"):], c2[len("moe_gemm2_"):])
-                for c1, c2, _, _ in _gemm.plan(1024 * 8, 256, available, ks=ks).parts]   # dsv3 M = 1024: 64 + 32
+                for c1, c2, _, _ in _gemm.plan(1024 * 8, 256, available, ks=ks).parts if _gemm.tile_n(c1) < 128]
 
     assert tiles((7168, 2048)) == [("m192n64k256_coop",) * 2, ("m192n32k256_coop",) * 2]
     assert tiles(None) == tiles((2880, 2880)) == [("m192n64k128_coop",) * 2, ("m192n32k128_coop",) * 2]
