@@ -143,6 +143,7 @@ WIDE_MAX_ROWS = 256
 # skew_part_last_full_chunks_*.json).
 SKEW_PART_MIN_WEIGHTS = 4 << 20
 SKEW_TILE_N = 128
+SKEW_PART_POSITION = 0
 
 
 def split_plan(rows: int, num_experts: int, tiles=None, expert_weights=None) -> Plan:
@@ -177,8 +178,11 @@ def split_plan(rows: int, num_experts: int, tiles=None, expert_weights=None) -> 
     # at the chunk): rows past the expected spread, in more than one of its tiles.
     kept = [(t, n) for t, n in zip(tiles, sizes)
             if n <= chunk and (n in needed or mean >= ALL_PARTS_ROWS or skew and n == SKEW_TILE_N)]
-    return Plan(chunk, tuple((f"moe_gemm1_{t}", f"moe_gemm2_{t}", kept[i + 1][1] if i + 1 < len(kept) else 0,
-                              chunk if i == 0 else n) for i, (t, n) in enumerate(kept)))
+    parts = [(f"moe_gemm1_{t}", f"moe_gemm2_{t}", kept[i + 1][1] if i + 1 < len(kept) else 0, chunk if i == 0 else n)
+             for i, (t, n) in enumerate(kept)]
+    if skew and SKEW_PART_POSITION and len(parts) > 1 and tile_n(parts[0][0]) == SKEW_TILE_N and SKEW_TILE_N not in needed:
+        parts.insert(min(SKEW_PART_POSITION, len(parts) - 1), parts.pop(0))
+    return Plan(chunk, tuple(parts))
 
 
 # The 192-row versions (three consumer warpgroups, templates/sm90/moe_gemm_kernel.hpp) of the
