@@ -130,20 +130,21 @@ ALL_PARTS_ROWS = 96
 WIDE_TILE = "m128n160k128_coop"
 WIDE_MAX_ROWS = 256
 # Where an expert holds at least SKEW_PART_MIN_WEIGHTS weights per GEMM (hidden x intermediate size), every
-# split plan launches the SKEW_TILE_N-token part too, first, with chunks of SKEW_TILE_N rows, whatever the
-# spread says: under skewed routing a busy expert's full chunks and any remainder above the spread's
-# parts then run in 128-token tiles, where the ridge's 64 / 32-token parts (chunks of 64) streamed and
-# converted its weights once per 64 or 32 rows. Layers in graph replay, the plan against the rule without
-# that part, five rounds interleaved, M = 512 / 1024 / 2048 (benchmarks/results/raw/bench_20261204T1234*Z_
-# skew_part_first_*.json, ab_tiles --routing): Dirichlet routing gpt-oss -9.6 / -7.2 / -8.6%, dsv3 -7.4 / -9.4 / -11.7%, dsv4-flash
-# (M = 1024 / 2048) -0.8 / -10.1%; Zipf -0.3..-8.6%; uniform routing, where the part gets no rows, -1.0..+3.4%
-# (its two launches). qwen3 (1.6 M weights an expert: a pass of them costs less than those launches) lost
-# 3-11% at M = 256-512 under every routing, so it keeps the rule's parts. The part launched last and taking
-# full chunks only measured worse under skew (dsv3 M = 1024 Dirichlet +4.5%; raw/bench_20261204T1237*Z_
-# skew_part_last_full_chunks_*.json).
+# split plan launches the SKEW_TILE_N-token part too, with chunks of SKEW_TILE_N rows, whatever the spread
+# says: under skewed routing a busy expert's full chunks and any remainder above the spread's parts then run
+# in 128-token tiles, where the ridge's 64 / 32-token parts (chunks of 64) streamed and converted its weights
+# once per 64 or 32 rows. Where the spread does not need it, it launches last: under uniform routing it gets no
+# rows, and its two launches cost least there. Layers in graph replay against the rule without that part,
+# interleaved, M = 512 / 1024 / 2048 (benchmarks/results/raw/bench_20261204T*Z_skew_part_*.json, ab_tiles
+# --routing), the part launched last: Dirichlet routing gpt-oss -5.2 / -2.8 / -6.1%, dsv3 -11.7 / +1.3 / -10.6%,
+# dsv4-flash (M = 1024 / 2048) -1.3 / -9.3%; uniform routing gpt-oss +2.0 / +1.4 / +0.9%, dsv4-flash and dsv3
+# -3.2..+0.3%. Launched first, its skew gains were alike (Dirichlet -0.9..-12.0% in one run, -3..-15% in two
+# more, Zipf -1..-8%) and uniform routing paid +0.4..+5.5%; launched second, +4.9% at dsv3 M = 1024 / 2048.
+# qwen3 (1.6 M weights an expert: a pass of them costs less than the part's launches) lost 3-17% at M = 256-512
+# under every routing with the part, so it keeps the rule's parts. The part taking full chunks only (the
+# remainders in up to two tiles of the next part) measured worse under skew (dsv3 M = 1024 Dirichlet +4.5%).
 SKEW_PART_MIN_WEIGHTS = 4 << 20
 SKEW_TILE_N = 128
-SKEW_PART_POSITION = 0
 
 
 def split_plan(rows: int, num_experts: int, tiles=None, expert_weights=None) -> Plan:
@@ -156,7 +157,7 @@ def split_plan(rows: int, num_experts: int, tiles=None, expert_weights=None) -> 
     merged into the next larger part's; the chunk is the smallest power-of-two tile above the
     spread, else the largest tile. Skewed routing is still right, its outliers in larger or more tiles
     than they need; with expert_weights (hidden x intermediate size) of at least SKEW_PART_MIN_WEIGHTS,
-    the 128-token part takes them in chunks of 128. tiles: the config suffixes to combine, largest first
+    the 128-token part takes them in chunks of 128, launched last where the spread does not need it. tiles: the config suffixes to combine, largest first
     (default SPLIT_TILES, with WIDE_TILE ahead of them up to WIDE_MAX_ROWS rows per expert)."""
     mean = rows / max(1, num_experts)
     lo, hi = max(0.0, mean - SPREAD_SDS * math.sqrt(mean)), mean + SPREAD_SDS * math.sqrt(mean)
@@ -180,8 +181,8 @@ def split_plan(rows: int, num_experts: int, tiles=None, expert_weights=None) -> 
             if n <= chunk and (n in needed or mean >= ALL_PARTS_ROWS or skew and n == SKEW_TILE_N)]
     parts = [(f"moe_gemm1_{t}", f"moe_gemm2_{t}", kept[i + 1][1] if i + 1 < len(kept) else 0, chunk if i == 0 else n)
              for i, (t, n) in enumerate(kept)]
-    if skew and SKEW_PART_POSITION and len(parts) > 1 and tile_n(parts[0][0]) == SKEW_TILE_N and SKEW_TILE_N not in needed:
-        parts.insert(min(SKEW_PART_POSITION, len(parts) - 1), parts.pop(0))
+    if skew and SKEW_TILE_N not in needed and mean < ALL_PARTS_ROWS:   # kept for skew alone: launched last
+        parts.append(parts.pop(0))
     return Plan(chunk, tuple(parts))
 
 

@@ -80,7 +80,8 @@ def test_plan_constant_candidates_run_the_rule_with_those_constants():
     assert name == "plan@SKEW_PART_MIN_WEIGHTS=inf:plan:n64t+n32t" and not picked
     assert [p[2:] for p in plan.parts] == [p[2:] for p in _gemm.plan(1024 * 8, 256).parts]   # the rule without ks
     assert _gemm.SKEW_PART_MIN_WEIGHTS == 4 << 20   # restored after
-    assert candidate("plan", 1024, 8, 256, ks=(7168, 2048))[0] == "plan:n128t+n64t+n32t"
+    assert candidate("plan", 1024, 8, 256, ks=(7168, 2048))[0] == "plan:n64t+n32t+n128t"
+    # every part from 12 rows: the 128-token part is one the rule launches, so first
     assert candidate("plan@ALL_PARTS_ROWS=12", 1024, 8, 256, ks=(7168, 2048))[0].endswith(":plan:n128t+n96t+n64t+n32t")
     for bad in ("plan@NO_SUCH=1", "plan@WIDE_TILE=1"):
         with pytest.raises(ValueError, match="numeric constant"):

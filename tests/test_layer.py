@@ -97,6 +97,8 @@ def test_plan_parts_take_every_row_once(shape, M, ks):
     plan = _gemm.plan(M * k, E, ks=ks)
     assert 1 <= len(plan.parts) <= mc.ops.MAX_GEMM_PARTS
     tiles = [_gemm.tile_n(part[0]) for part in plan.parts]
+    if plan.parts[-1][3] == plan.chunk and len(plan.parts) > 1:   # the skew part, launched last
+        tiles = tiles[-1:] + tiles[:-1]
     assert tiles == sorted(tiles, reverse=True) and all(_gemm.tile_n(p[1]) == _gemm.tile_n(p[0]) for p in plan.parts)
     for rows in range(0, 3 * 160 + 2):
         taken = []
@@ -162,10 +164,10 @@ def test_plan_splits_only_above_the_streaming_tiles():
 
 
 @pytest.mark.parametrize("shape", ["gpt-oss-120b", "dsv4-flash", "dsv3"])
-def test_split_plans_of_large_experts_lead_with_the_128_token_part(shape):
+def test_split_plans_of_large_experts_end_with_the_128_token_part(shape):
     """Skewed routing's busy experts: with (hidden, intermediate) given and at least SKEW_PART_MIN_WEIGHTS weights an
-    expert, every split plan launches the 128-token part first, over chunks of 128 rows, and the rule's parts after
-    it; the spread's parts stay as without it. qwen3's small experts, and calls whose K is not given, keep the rule."""
+    expert, every split plan launches the 128-token part too, last, over chunks of 128 rows; the spread's parts
+    stay as without it. qwen3's small experts, and calls whose K is not given, keep the rule."""
     from moe_cutlass import _gemm
 
     E, k = SHAPE_ROUTES[shape]
@@ -175,10 +177,11 @@ def test_split_plans_of_large_experts_lead_with_the_128_token_part(shape):
         if rows / E <= _gemm.SPLIT_MIN_ROWS:
             continue
         plan, rule = _gemm.plan(rows, E, ks=(H, I)), _gemm.plan(rows, E)
-        assert plan.chunk == 128 and _gemm.tile_n(plan.parts[0][0]) == 128 and plan.parts[0][3] == 128
-        assert [_gemm.tile_n(p[0]) for p in plan.parts[1:]] == [_gemm.tile_n(p[0]) for p in rule.parts]
-        assert all(p[3] == _gemm.tile_n(p[0]) for p in plan.parts[1:])   # each takes the remainders its tile holds
-        assert plan.parts[0][2] == _gemm.tile_n(plan.parts[1][0])   # the remainders above them
+        skew, spread = plan.parts[-1], plan.parts[:-1]   # launched last: under uniform routing it gets no rows
+        assert plan.chunk == 128 and _gemm.tile_n(skew[0]) == 128 and skew[3] == 128
+        assert [_gemm.tile_n(p[0]) for p in spread] == [_gemm.tile_n(p[0]) for p in rule.parts]
+        assert all(p[3] == _gemm.tile_n(p[0]) for p in spread)   # each takes the remainders its tile holds
+        assert skew[2] == _gemm.tile_n(spread[0][0])   # the remainders above them
     for M, tiles in ((512, [64, 32]), (1024, [96, 64])):   # qwen3: 1.5 M weights an expert
         qwen3 = _gemm.plan(M * 8, 128, ks=(2048, 768))
         assert [_gemm.tile_n(p[0]) for p in qwen3.parts] == tiles and qwen3.chunk == _gemm.plan(M * 8, 128).chunk
