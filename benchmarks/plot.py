@@ -85,7 +85,8 @@ def main():
     axes[0][0].set_ylabel(f"us per layer ({record['world_size']} GPUs; dotted: comm)" if parallel
                           else "time / floor (CUDA-graph replay)")
     axes[0][-1].legend(fontsize=8)
-    fig.suptitle(f"{record.get('device', '')}, commit {record['commit'][:7]}, {record['date'][:10]}")
+    routing = f", {record['routing']} routing" if record.get("routing", "uniform") != "uniform" else ""
+    fig.suptitle(f"{record.get('device', '')}, commit {record['commit'][:7]}, {record['date'][:10]}{routing}")
     fig.tight_layout()
     out = Path(args.out) if args.out else Path(args.record).with_suffix(".png")
     fig.savefig(out, dpi=110)

@@ -134,15 +134,16 @@ WIDE_MAX_ROWS = 256
 # says: under skewed routing a busy expert's full chunks and any remainder above the spread's parts then run
 # in 128-token tiles, where the ridge's 64 / 32-token parts (chunks of 64) streamed and converted its weights
 # once per 64 or 32 rows. Where the spread does not need it, it launches last: under uniform routing it gets no
-# rows, and its two launches cost least there. Layers in graph replay against the rule without that part,
-# interleaved, M = 512 / 1024 / 2048 (benchmarks/results/raw/bench_20261204T*Z_skew_part_*.json, ab_tiles
-# --routing), the part launched last: Dirichlet routing gpt-oss -5.2 / -2.8 / -6.1%, dsv3 -11.7 / +1.3 / -10.6%,
-# dsv4-flash (M = 1024 / 2048) -1.3 / -9.3%; uniform routing gpt-oss +2.0 / +1.4 / +0.9%, dsv4-flash and dsv3
-# -3.2..+0.3%. Launched first, its skew gains were alike (Dirichlet -0.9..-12.0% in one run, -3..-15% in two
-# more, Zipf -1..-8%) and uniform routing paid +0.4..+5.5%; launched second, +4.9% at dsv3 M = 1024 / 2048.
-# qwen3 (1.6 M weights an expert: a pass of them costs less than the part's launches) lost 3-17% at M = 256-512
-# under every routing with the part, so it keeps the rule's parts. The part taking full chunks only (the
-# remainders in up to two tiles of the next part) measured worse under skew (dsv3 M = 1024 Dirichlet +4.5%).
+# rows, and its two launches cost least there. Layers in graph replay against the rule without that part, five
+# rounds interleaved, M = 512 / 1024 / 2048 (benchmarks/results/raw/bench_20261204T1252*Z_skew_part_last_final_*.json,
+# ab_tiles --routing): Dirichlet routing gpt-oss -6.2 / -2.8 / -7.1%, dsv4-flash (M = 1024 / 2048) -2.2 / -11.9%,
+# dsv3 -10.5 / -3.2 / -8.5%; Zipf -1.0..-8.9%; uniform routing -0.2..+2.1% (gpt-oss +1.7 / +1.7 / -0.0%, dsv3
+# +0.7 / +0.8 / +2.1%). Launched first (raw/bench_20261204T12*Z_skew_part_first*.json, *_skew_part_position_*.json)
+# the skew gains were alike and uniform routing paid -1.0..+5.5% over three runs; second, +4.9% at dsv3 M = 1024.
+# qwen3 (1.6 M weights an expert: a pass of them costs less than the part's launches) lost 3.8-10.7% at M = 256-512
+# under every routing with the part (M = 1024: uniform +3.0%, Zipf -0.5%, Dirichlet -5.9%), so it keeps the rule's parts. The part taking full chunks only (the
+# remainders in up to two tiles of the next part) measured worse under skew (dsv3 M = 1024 Dirichlet +4.5%,
+# raw/bench_20261204T1237*Z_skew_part_last_full_chunks_*.json).
 SKEW_PART_MIN_WEIGHTS = 4 << 20
 SKEW_TILE_N = 128
 
