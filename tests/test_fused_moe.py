@@ -88,6 +88,25 @@ def test_hot_expert(M):
     run_checked(random_hidden(M, 256, gen), experts, weights, torch.full_like(ids, 17))
 
 
+@pytest.mark.parametrize("routing", ["zipf", "dirichlet"])
+def test_skewed_routing_through_the_skew_part(routing):
+    """Large experts (4 M weights per GEMM, SKEW_PART_MIN_WEIGHTS) at 32 rows per expert: the plan appends the
+    128-token part, and busy experts' full 128-row chunks and remainders above 64 rows land in it."""
+    from benchmarks.routings import route, rows_per_expert
+    from moe_cutlass import _gemm
+
+    E, H, I, k, M = 64, 2048, 2048, 4, 512
+    plan = _gemm.plan(M * k, E, ks=(H, I))
+    assert _gemm.tile_n(plan.parts[-1][0]) == 128 and plan.parts[-1][3] == plan.chunk == 128
+    ids = route(routing, M, E, k, torch.Generator().manual_seed(7))
+    rows = rows_per_expert(ids, E)
+    assert int(rows.max()) > 128 and int(((rows % 128) > 64).sum()) > 0   # full chunks and remainders for it
+    gen = torch.Generator("cuda").manual_seed(8)
+    experts = random_experts(E, H, I, gen)
+    weights, _ = random_routing(M, E, k, gen)
+    run_checked(random_hidden(M, H, gen), experts, weights, ids.to("cuda", torch.int32))
+
+
 def test_most_experts_empty():
     gen = torch.Generator("cuda").manual_seed(6)
     experts = random_experts(64, 256, 128, gen)
