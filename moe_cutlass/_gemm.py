@@ -145,6 +145,7 @@ WIDE_MAX_ROWS = 256
 # remainders in up to two tiles of the next part) measured worse under skew (dsv3 M = 1024 Dirichlet +4.5%,
 # raw/bench_20261204T1237*Z_skew_part_last_full_chunks_*.json).
 SKEW_PART_MIN_WEIGHTS = 4 << 20
+POW2_CHUNK = 0
 SKEW_TILE_N = 128
 
 
@@ -167,7 +168,7 @@ def split_plan(rows: int, num_experts: int, tiles=None, expert_weights=None) -> 
     tiles = tuple(tiles)
     sizes = [tile_n(t) for t in tiles]
     # the smallest power-of-two tile above the spread, else the largest tile (160 with WIDE_TILE)
-    chunk = next((n for n in reversed(sizes) if n >= hi and n & (n - 1) == 0), sizes[0])
+    chunk = next((n for n in reversed(sizes) if n >= hi and (not POW2_CHUNK or n & (n - 1) == 0)), sizes[0])
     skew = (expert_weights is not None and expert_weights >= SKEW_PART_MIN_WEIGHTS and SKEW_TILE_N in sizes
             and chunk <= SKEW_TILE_N)
     if skew:
