@@ -145,7 +145,6 @@ WIDE_MAX_ROWS = 256
 # remainders in up to two tiles of the next part) measured worse under skew (dsv3 M = 1024 Dirichlet +4.5%,
 # raw/bench_20261204T1237*Z_skew_part_last_full_chunks_*.json).
 SKEW_PART_MIN_WEIGHTS = 4 << 20
-POW2_CHUNK = 0
 SKEW_TILE_N = 128
 
 
@@ -156,8 +155,8 @@ def split_plan(rows: int, num_experts: int, tiles=None, expert_weights=None) -> 
     pads 24-48% of the MMA work at M = 4096, or makes half the experts stream and convert their
     weights twice at the M = 1024 ridge). Parts that no expert within the expected spread of rows
     needs are left out (a launch without rows still costs a few microseconds), their windows
-    merged into the next larger part's; the chunk is the smallest power-of-two tile above the
-    spread, else the largest tile. Skewed routing is still right, its outliers in larger or more tiles
+    merged into the next larger part's; the chunk is the smallest tile above the spread, else the
+    largest tile. Skewed routing is still right, its outliers in larger or more tiles
     than they need; with expert_weights (hidden x intermediate size) of at least SKEW_PART_MIN_WEIGHTS,
     the 128-token part takes them in chunks of 128, launched last where the spread does not need it. tiles: the config suffixes to combine, largest first
     (default SPLIT_TILES, with WIDE_TILE ahead of them up to WIDE_MAX_ROWS rows per expert)."""
@@ -167,8 +166,12 @@ def split_plan(rows: int, num_experts: int, tiles=None, expert_weights=None) -> 
         tiles = (WIDE_TILE, *SPLIT_TILES) if mean <= WIDE_MAX_ROWS else SPLIT_TILES
     tiles = tuple(tiles)
     sizes = [tile_n(t) for t in tiles]
-    # the smallest power-of-two tile above the spread, else the largest tile (160 with WIDE_TILE)
-    chunk = next((n for n in reversed(sizes) if n >= hi and (not POW2_CHUNK or n & (n - 1) == 0)), sizes[0])
+    # The smallest tile above the spread, else the largest (160 with WIDE_TILE): a busy expert's full chunks then
+    # fill the largest part's tiles. Powers of two only (the row window's mask before 2026-12-02 (29)) made qwen3
+    # at M = 768 / 1024 (parts 96 / 64 (/ 32)) cut 128-row chunks into 96 + 32: layers, five rounds interleaved
+    # (benchmarks/results/raw/bench_20261204T13*Z_any_chunk_*.json), Zipf -7.6 / -5.5%, Dirichlet -7.2 / -3.9%,
+    # uniform -0.1 / -0.2% (no expert within the spread reaches 96 rows).
+    chunk = next((n for n in reversed(sizes) if n >= hi), sizes[0])
     skew = (expert_weights is not None and expert_weights >= SKEW_PART_MIN_WEIGHTS and SKEW_TILE_N in sizes
             and chunk <= SKEW_TILE_N)
     if skew:

@@ -299,10 +299,10 @@ def test_activations(activation, limit, with_bias, config):
 
 
 @pytest.mark.parametrize("rows, tiles, chunk", [(4096 * 4, [160, 128, 96, 64, 32], 160),
-                                                 (16384 * 8, [128, 96, 64, 32], 128)])
+                                                 (16384 * 8, [128, 96, 64, 32], 128), (1024 * 8, [96, 64], 96)])
 @pytest.mark.parametrize("kind", [1, 2])
 def test_row_windows_take_their_rows_only(kind, rows, tiles, chunk):
-    """A split plan's parts (templates/sm90/moe_rows.hpp), over chunks of 160 and of 128 rows: each
+    """A split plan's parts (templates/sm90/moe_rows.hpp), over chunks of 160, 128 and 96 rows: each
     launch writes exactly the rows its window takes of every expert (the rest stay poisoned), and the
     parts together match the reference; row counts around every window edge. The window of a chunk of
     one row takes every row, as ALL_ROWS does."""

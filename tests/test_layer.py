@@ -151,6 +151,7 @@ def test_plan_splits_only_above_the_streaming_tiles():
     # the M = 1024 ridge: one part per expert size class, each expert's weights converted once
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(1024 * 4, 128).parts] == [64, 32]      # gpt-oss
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(1024 * 8, 128).parts] == [96, 64]      # qwen3
+    assert _gemm.plan(1024 * 8, 128).chunk == 96   # the smallest tile above the spread, any size
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(4096 * 4, 128).parts] == [160, 128, 96, 64, 32]
     # the 160-token part where the spread passes 128 rows per expert, up to WIDE_MAX_ROWS on average
     assert _gemm.plan(4096 * 8, 128).chunk == 160 == _gemm.plan(2048 * 8, 128).chunk         # qwen3 M = 4096, 2048
