@@ -14,7 +14,7 @@ launch per GEMM over every row, the same tile for both GEMMs), "plan", what fuse
 (_gemm.plan: one tile, or parts whose tile the device picks per expert), or "plan-tXY", the plan
 with GEMM1's / GEMM2's tiles of up to 64 tokens in their 192-row versions where X / Y is 1, or
 "split-128+96+64+32+16", the plan with split_plan combining those token tiles instead of SPLIT_TILES, or
-"plan@SKEW_PARTS_ROWS=inf", the rule with moe_cutlass._gemm's named constants set so, or
+"plan@SKEW_PART_MIN_WEIGHTS=inf", the rule with moe_cutlass._gemm's named constants set so, or
 "exact-m192n128k128+m128n96k128+...", the split plan of exactly those tiles (no 192-row mapping). The
 record ("kind": "bench") holds one row per (shape, M, candidate) with "tile" (for "plan", the
 plan's tiles, e.g. "plan:n128+n64+n32") and "picked" (the candidate fused_moe runs).
@@ -75,8 +75,8 @@ def candidate(tile, M, k, E, available=None, ks=None):
 
 
 def plan_constants(candidate):
-    """{name: value} of a "plan@SKEW_PARTS_ROWS=inf@ALL_PARTS_ROWS=64" candidate: the rule run with those
-    moe_cutlass._gemm constants (numbers; inf switches a from-this-many-rows rule off)."""
+    """{name: value} of a "plan@SKEW_PART_MIN_WEIGHTS=inf@ALL_PARTS_ROWS=64" candidate: the rule run with those
+    moe_cutlass._gemm constants (numbers; inf switches a from-this-much rule off)."""
     constants = {}
     for item in candidate.split("@")[1:]:
         name, _, value = item.partition("=")

@@ -94,8 +94,7 @@ def random_routing(M, E, k, gen, routing="uniform"):
     if routing == "uniform":
         ids = torch.rand(M, E, device="cuda", generator=gen).topk(k, dim=1).indices.to(torch.int32)
     else:
-        seed = int(torch.randint(0, 1 << 62, (), device="cuda", generator=gen))
-        ids = routings.route(routing, M, E, k, torch.Generator().manual_seed(seed)).to("cuda", torch.int32)
+        ids = routings.route_like(routing, M, E, k, gen)
     weights = torch.randn(M, k, device="cuda", generator=gen).softmax(dim=1)
     return weights, ids
 

@@ -19,10 +19,9 @@ def skewed_route(kind):
     """A peers_bench.route replacement: (weights [M, k] float32 summing to 1, int32 ids [M, k]) on the run
     generator g's device, the ids drawn under `kind` on the CPU from a seed that g gives."""
     def route(M, E, topk, g):
-        seed = int(torch.randint(0, 1 << 62, (), device=g.device, generator=g))
-        ids = routings.route(kind, M, E, topk, torch.Generator().manual_seed(seed))
+        ids = routings.route_like(kind, M, E, topk, g)
         weights = torch.rand(M, topk, device=g.device, generator=g) + 0.1
-        return (weights / weights.sum(-1, keepdim=True)).float(), ids.to(g.device, torch.int32)
+        return (weights / weights.sum(-1, keepdim=True)).float(), ids
     return route
 
 

@@ -34,5 +34,12 @@ def route(kind, M, E, k, gen):
     return torch.multinomial(p.expand(M, E), k, replacement=False, generator=gen)
 
 
+def route_like(kind, M, E, k, gen):
+    """int32 [M, k] ids on the device of gen (a torch.Generator): drawn by route on the CPU from a seed that
+    gen gives, so that a run seeded once draws the same batches wherever it runs."""
+    seed = int(torch.randint(0, 1 << 62, (), device=gen.device, generator=gen))
+    return route(kind, M, E, k, torch.Generator().manual_seed(seed)).to(gen.device, torch.int32)
+
+
 def rows_per_expert(ids, E):
     return torch.bincount(ids.flatten(), minlength=E)

@@ -182,11 +182,12 @@ def split_plan(rows: int, num_experts: int, tiles=None, expert_weights=None) -> 
             needed.add(min(n for n in sizes if n >= r % chunk))
     # The largest kept part also takes the full chunks and any remainder above it (its window ends
     # at the chunk): rows past the expected spread, in more than one of its tiles.
+    skew_only = skew and SKEW_TILE_N not in needed and mean < ALL_PARTS_ROWS   # that part: launched last
     kept = [(t, n) for t, n in zip(tiles, sizes)
-            if n <= chunk and (n in needed or mean >= ALL_PARTS_ROWS or skew and n == SKEW_TILE_N)]
+            if n <= chunk and (n in needed or mean >= ALL_PARTS_ROWS or skew_only and n == SKEW_TILE_N)]
     parts = [(f"moe_gemm1_{t}", f"moe_gemm2_{t}", kept[i + 1][1] if i + 1 < len(kept) else 0, chunk if i == 0 else n)
              for i, (t, n) in enumerate(kept)]
-    if skew and SKEW_TILE_N not in needed and mean < ALL_PARTS_ROWS:   # kept for skew alone: launched last
+    if skew_only:
         parts.append(parts.pop(0))
     return Plan(chunk, tuple(parts))
 

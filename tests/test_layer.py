@@ -90,7 +90,7 @@ SHAPE_ROUTES = {"qwen3-30b-a3b": (128, 8), "gpt-oss-120b": (128, 4), "dsv4-flash
 def test_plan_parts_take_every_row_once(shape, M, ks):
     """Whatever an expert's row count, the parts of the GEMM plan take each of its rows exactly once,
     as one contiguous run per part, and each part's token tile holds its remainder (ks: large experts,
-    whose split plans lead with the skew part)."""
+    whose split plans end with the skew part)."""
     from moe_cutlass import _gemm
 
     E, k = SHAPE_ROUTES[shape]
