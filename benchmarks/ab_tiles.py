@@ -27,7 +27,7 @@ import torch
 
 import moe_cutlass as mc
 from benchmarks import routings
-from benchmarks.bench_moe import CONFIGS, Timer, floor_us, graph_of, measure_floors, random_batch, random_experts
+from benchmarks.bench_moe import CONFIGS, SHAPES, Timer, floor_us, graph_of, measure_floors, random_batch, random_experts
 from benchmarks.record import write_record
 from moe_cutlass import _gemm, ops
 
@@ -108,7 +108,7 @@ def one_tile(tile):
 
 
 def time_tiles(name, tokens, tiles, timer, floors, gen, rounds, routing="uniform"):
-    E, H, I, k = CONFIGS[name]
+    E, H, I, k = SHAPES[name]
     experts = random_experts(E, H, I, gen)
     rows = []
     for M in tokens:

@@ -27,6 +27,18 @@ CONFIGS = {
     "dsv4-flash": (256, 4096, 2048, 6),
     "dsv3": (256, 7168, 2048, 8),
 }
+# Other public MoE models' expert shapes (config.json: num experts, hidden, moe intermediate, top-k), not
+# issue targets: the same layer beside the peers off the four shapes that the plan rule and the tile
+# tables were measured on (benchmarks/peers_variants.py --models; --configs takes them too).
+MODELS = {
+    "gpt-oss-20b": (32, 2880, 2880, 4),
+    "qwen3-235b-a22b": (128, 4096, 1536, 8),
+    "glm-4.5-air": (128, 4096, 1408, 8),
+    "kimi-k2": (384, 7168, 2048, 8),
+    "llama4-scout": (16, 5120, 8192, 1),
+    "mixtral-8x7b": (8, 4096, 14336, 2),
+}
+SHAPES = {**CONFIGS, **MODELS}
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 RELERR_MAX_TOKENS = 1024  # the float32 reference is slow past this
 HOST_MAX_TOKENS = 64  # host time matters where the GPU time is small: decode
@@ -176,7 +188,7 @@ def compare_pdl(name, M, run, timer, floor, rounds=3):
 
 def bench_config(name, tokens, timer, floors, gen, batch_invariant=False, compare_paths=False, pdl_ab=False,
                  routing="uniform"):
-    E, H, I, k = CONFIGS[name]
+    E, H, I, k = SHAPES[name]
     experts = random_experts(E, H, I, gen)
     rows = []
     defaults = ops.FUSED_MAX_TOKENS, ops.FUSED_MAX_WEIGHTS
@@ -228,9 +240,9 @@ def main():
                         help="the top-k routing of the batches (benchmarks/routings.py)")
     args = parser.parse_args()
     names = args.configs.split(",")
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if n not in SHAPES]
     if unknown:
-        parser.error(f"--configs: unknown {unknown}; known: {list(CONFIGS)}")
+        parser.error(f"--configs: unknown {unknown}; known: {list(SHAPES)}")
     tokens = [int(m) for m in args.ms.split(",")]
     timer = Timer(args.reps)
     floors = measure_floors(timer)

@@ -34,8 +34,11 @@ def main():
     # The run happened on the GPU machine: its device name, not this machine's, goes in the record.
     run = {"device": results[0]["device"], "source": "anchors/peers_bench.py", "peers": results[0]["peers"],
            "floors": floors, "rows": rows}
-    if "routing" in results[0]:   # benchmarks/peers_skewed.py's run
-        run.update({key: results[0][key] for key in ("routing", "dirichlet_alpha", "zipf_exponent")})
+    # benchmarks/peers_variants.py's run: its routing and the shapes it added
+    run.update({key: results[0][key] for key in ("routing", "dirichlet_alpha", "zipf_exponent") if key in results[0]})
+    shapes = {c: s for res in results for c, s in res.get("model_shapes", {}).items()}
+    if shapes:
+        run["model_shapes"] = shapes
     path = write_record("bench", run, args.out_dir)
     print(f"record: {path}")
     for cfg in dict.fromkeys(r["config"] for r in rows):

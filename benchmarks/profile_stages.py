@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 import moe_cutlass as mc
 from moe_cutlass import _gemm, ops
 from benchmarks.ab_tiles import exact_tiles, one_tile, split_tiles
-from benchmarks.bench_moe import CONFIGS, Timer, floor_bytes, measure_floors, random_batch, random_experts
+from benchmarks.bench_moe import CONFIGS, SHAPES, Timer, floor_bytes, measure_floors, random_batch, random_experts
 from benchmarks.record import write_record
 
 
@@ -70,7 +70,7 @@ def gemm_tflops(times, ids, E, H, I):
 
 def profile_config(name, tokens, reps, gen):
     """Rows of one shape, its experts freed on return."""
-    E, H, I, k = CONFIGS[name]
+    E, H, I, k = SHAPES[name]
     experts = random_experts(E, H, I, gen)
     rows = []
     for M in tokens:
