@@ -129,22 +129,32 @@ ALL_PARTS_ROWS = 96
 # 1.5% against the power-of-two mask, measured in both orders (NOTES.md 2026-12-02 (29)).
 WIDE_TILE = "m128n160k128_coop"
 WIDE_MAX_ROWS = 256
-# Where an expert holds at least SKEW_PART_MIN_WEIGHTS weights per GEMM (hidden x intermediate size), every
-# split plan launches the SKEW_TILE_N-token part too, with chunks of SKEW_TILE_N rows, whatever the spread
-# says: under skewed routing a busy expert's full chunks and any remainder above the spread's parts then run
-# in 128-token tiles, where the ridge's 64 / 32-token parts (chunks of 64) streamed and converted its weights
-# once per 64 or 32 rows. Where the spread does not need it, it launches last: under uniform routing it gets no
-# rows, and its two launches cost least there. Layers in graph replay against the rule without that part, five
-# rounds interleaved, M = 512 / 1024 / 2048 (benchmarks/results/raw/bench_20261204T1252*Z_skew_part_last_final_*.json,
-# ab_tiles --routing): Dirichlet routing gpt-oss -6.2 / -2.8 / -7.1%, dsv4-flash (M = 1024 / 2048) -2.2 / -11.9%,
-# dsv3 -10.5 / -3.2 / -8.5%; Zipf -1.0..-8.9%; uniform routing -0.2..+2.1% (gpt-oss +1.7 / +1.7 / -0.0%, dsv3
-# +0.7 / +0.8 / +2.1%). Launched first (raw/bench_20261204T12*Z_skew_part_first*.json, *_skew_part_position_*.json)
-# the skew gains were alike and uniform routing paid -1.0..+5.5% over three runs; second, +4.9% at dsv3 M = 1024.
-# qwen3 (1.6 M weights an expert: a pass of them costs less than the part's launches) lost 3.8-10.7% at M = 256-512
-# under every routing with the part (M = 1024: uniform +3.0%, Zipf -0.5%, Dirichlet -5.9%), so it keeps the rule's parts. The part taking full chunks only (the
+# Where an expert holds at least SKEW_PART_MIN_WEIGHTS weights per GEMM (hidden x intermediate size) and a layer has
+# at least SKEW_PART_MIN_EXPERTS experts, every split plan launches the SKEW_TILE_N-token part too, with chunks of
+# SKEW_TILE_N rows, whatever the spread says: under skewed routing a busy expert's full chunks and any remainder above
+# the spread's parts then run in 128-token tiles, where the ridge's 64 / 32-token parts (chunks of 64) streamed and
+# converted its weights once per 64 or 32 rows. Where the spread does not need it, it launches last: under uniform
+# routing it gets no rows, and its two launches cost least there. Layers in graph replay against the rule without that
+# part, five rounds interleaved, M = 512 / 1024 / 2048
+# (benchmarks/results/raw/bench_20261204T1252*Z_skew_part_last_final_*.json, ab_tiles --routing): Dirichlet routing
+# gpt-oss -6.2 / -2.8 / -7.1%, dsv4-flash (M = 1024 / 2048) -2.2 / -11.9%, dsv3 -10.5 / -3.2 / -8.5%; Zipf
+# -1.0..-8.9%; uniform routing -0.2..+2.1% (gpt-oss +1.7 / +1.7 / -0.0%, dsv3 +0.7 / +0.8 / +2.1%). Launched first
+# (raw/bench_20261204T12*Z_skew_part_first*.json, *_skew_part_position_*.json) the skew gains were alike and uniform
+# routing paid -1.0..+5.5% over three runs; second, +4.9% at dsv3 M = 1024. qwen3 (1.6 M weights an expert: a pass of
+# them costs less than the part's launches) lost 3.8-10.7% at M = 256-512 under every routing with the part (M = 1024:
+# uniform +3.0%, Zipf -0.5%, Dirichlet -5.9%), so it keeps the rule's parts. The part taking full chunks only (the
 # remainders in up to two tiles of the next part) measured worse under skew (dsv3 M = 1024 Dirichlet +4.5%,
 # raw/bench_20261204T1237*Z_skew_part_last_full_chunks_*.json).
+# It takes SKEW_PART_MIN_EXPERTS experts too: with few experts the busy ones hold most of a call's rows, and their
+# 128-token tiles, few and long, run last and alone. The same A/B on other public models' shapes (bench_moe.MODELS,
+# two runs: raw/bench_20261204T1335*Z_models_skew_part_*.json, then 60 reps a point,
+# raw/bench_20261204T1337*Z_models_skew_part_*.json), the part against the rule without it where their plans differ:
+# mixtral-8x7b (8 experts, M = 256) Zipf +12.7 / +27.7%, Dirichlet +23.0 / +24.9%; llama4-scout (16, M = 256-1024)
+# Zipf +0.5..+13.1%, Dirichlet -3.0..+8.8%; gpt-oss-20b (32, M = 256 / 512) Zipf +4.9..+13.2%, Dirichlet -3.6..+12.0%;
+# uniform -1.3..+4.3% for the three; qwen2-57b-a14b (64) -2.4..+3.9%, no gain; from 128 experts (qwen3-235b-a22b,
+# glm-4.5-air, kimi-k2, M = 256-1024) skewed -5.6..+1.6% (kimi-k2 M = 2048 -9.4 / -11.6%), uniform -0.8..+2.5%.
 SKEW_PART_MIN_WEIGHTS = 4 << 20
+SKEW_PART_MIN_EXPERTS = 128
 SKEW_TILE_N = 128
 
 
@@ -157,8 +167,9 @@ def split_plan(rows: int, num_experts: int, tiles=None, expert_weights=None) -> 
     needs are left out (a launch without rows still costs a few microseconds), their windows
     merged into the next larger part's; the chunk is the smallest tile above the spread, else the
     largest tile. Skewed routing is still right, its outliers in larger or more tiles
-    than they need; with expert_weights (hidden x intermediate size) of at least SKEW_PART_MIN_WEIGHTS,
-    the 128-token part takes them in chunks of 128, launched last where the spread does not need it. tiles: the config suffixes to combine, largest first
+    than they need; with expert_weights (hidden x intermediate size) of at least SKEW_PART_MIN_WEIGHTS
+    and SKEW_PART_MIN_EXPERTS experts, the 128-token part takes them in chunks of 128, launched last where the
+    spread does not need it. tiles: the config suffixes to combine, largest first
     (default SPLIT_TILES, with WIDE_TILE ahead of them up to WIDE_MAX_ROWS rows per expert)."""
     mean = rows / max(1, num_experts)
     lo, hi = max(0.0, mean - SPREAD_SDS * math.sqrt(mean)), mean + SPREAD_SDS * math.sqrt(mean)
@@ -172,8 +183,8 @@ def split_plan(rows: int, num_experts: int, tiles=None, expert_weights=None) -> 
     # (benchmarks/results/raw/bench_20261204T13*Z_any_chunk_*.json), Zipf -7.6 / -5.5%, Dirichlet -7.2 / -3.9%,
     # uniform -0.1 / -0.2% (no expert within the spread reaches 96 rows).
     chunk = next((n for n in reversed(sizes) if n >= hi), sizes[0])
-    skew = (expert_weights is not None and expert_weights >= SKEW_PART_MIN_WEIGHTS and SKEW_TILE_N in sizes
-            and chunk <= SKEW_TILE_N)
+    skew = (expert_weights is not None and expert_weights >= SKEW_PART_MIN_WEIGHTS
+            and num_experts >= SKEW_PART_MIN_EXPERTS and SKEW_TILE_N in sizes and chunk <= SKEW_TILE_N)
     if skew:
         chunk = SKEW_TILE_N
     needed = {chunk} if hi >= chunk else set()   # full chunks expected

@@ -90,12 +90,13 @@ def test_hot_expert(M):
 
 @pytest.mark.parametrize("routing", ["zipf", "dirichlet"])
 def test_skewed_routing_through_the_skew_part(routing):
-    """Large experts (4 M weights per GEMM, SKEW_PART_MIN_WEIGHTS) at 32 rows per expert: the plan appends the
-    128-token part, and busy experts' full 128-row chunks and remainders above 64 rows land in it."""
+    """Large experts (4 M weights per GEMM, SKEW_PART_MIN_WEIGHTS; SKEW_PART_MIN_EXPERTS of them) at 32 rows per
+    expert: the plan appends the 128-token part, and busy experts' full 128-row chunks and remainders above 64 rows
+    land in it."""
     from benchmarks.routings import route, rows_per_expert
     from moe_cutlass import _gemm
 
-    E, H, I, k, M = 64, 2048, 2048, 4, 512
+    E, H, I, k, M = 128, 2048, 2048, 4, 1024
     plan = _gemm.plan(M * k, E, ks=(H, I))
     assert _gemm.tile_n(plan.parts[-1][0]) == 128 and plan.parts[-1][3] == plan.chunk == 128
     ids = route(routing, M, E, k, torch.Generator().manual_seed(7))

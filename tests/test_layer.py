@@ -190,6 +190,24 @@ def test_split_plans_of_large_experts_end_with_the_128_token_part(shape):
     assert [p[2:] for p in _gemm.plan(4096 * 4, 128, ks=(2880, 2880)).parts] == [p[2:] for p in _gemm.plan(4096 * 4, 128).parts]
 
 
+@pytest.mark.parametrize("shape", ["mixtral-8x7b", "llama4-scout", "gpt-oss-20b", "qwen2-57b-a14b"])
+def test_layers_of_few_large_experts_keep_the_spreads_parts(shape):
+    """Below SKEW_PART_MIN_EXPERTS experts the skew part is left out however large the experts are (it cost
+    mixtral-8x7b up to 28% under skewed routing): the plan is the one without the experts' K."""
+    from benchmarks.bench_moe import MODELS
+    from moe_cutlass import _gemm
+
+    E, H, I, k = MODELS[shape]
+    assert H * I >= _gemm.SKEW_PART_MIN_WEIGHTS and E < _gemm.SKEW_PART_MIN_EXPERTS
+    for M in (256, 512, 1024):
+        if M * k / E <= _gemm.SPLIT_MIN_ROWS:
+            continue
+        with_ks, rule = _gemm.plan(M * k, E, ks=(H, I)), _gemm.plan(M * k, E)
+        assert [p[2:] for p in with_ks.parts] == [p[2:] for p in rule.parts] and with_ks.chunk == rule.chunk
+    big = _gemm.plan(1024 * 8, _gemm.SKEW_PART_MIN_EXPERTS, ks=(H, I))   # as many experts as the rule asks: the part
+    assert _gemm.tile_n(big.parts[-1][0]) == _gemm.SKEW_TILE_N and big.chunk == _gemm.SKEW_TILE_N
+
+
 def test_ridge_parts_keep_tilek_256_on_192_rows_where_k_allows():
     from moe_cutlass import _gemm
 
