@@ -4,7 +4,7 @@ weights are streamed.
 
 usage: python -m benchmarks.tile_waste [--ms 1,4,16,...] [--configs a,b] [--seeds 5] [--out-dir DIR]
 
-For every shape of bench_moe.CONFIGS, every M and the three routings of benchmarks/routings.py
+For every shape of bench_moe.CONFIGS (or --configs, any of bench_moe.SHAPES), every M and the three routings of benchmarks/routings.py
 (uniform, Dirichlet, Zipf), --seeds batches are drawn and the rows per expert r_e counted.
 A scheme gives expert e tiles that cover padded_e >= r_e rows. Per scheme the record holds
 waste = sum padded_e / sum r_e (padded MMA work over useful work) and re-stream = tiles over
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from benchmarks.bench_moe import CONFIGS, TOKENS
+from benchmarks.bench_moe import CONFIGS, SHAPES, TOKENS
 from benchmarks.record import record_main
 from benchmarks.routings import DIRICHLET_ALPHA, ROUTINGS, ZIPF_EXPONENT, route, rows_per_expert
 from moe_cutlass import _gemm
@@ -81,7 +81,7 @@ def factors(rows, scheme):
 
 
 def measure(name, M, routing, seeds):
-    E, H, I, k = CONFIGS[name]
+    E, H, I, k = SHAPES[name]
     picked = _gemm.tile_n(_gemm.pick_config(1, M * k, E))
     plan = _gemm.plan(M * k, E, ks=(H, I))
     schemes = {"pick": lambda rows: one_tile(rows, picked), "plan": lambda rows: planned(rows, plan),
