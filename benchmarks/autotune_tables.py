@@ -1,4 +1,5 @@
-"""Autotuned tile tables for the four design shapes (moe_cutlass.tuning), beside the built-in rule.
+"""Autotuned tile tables for the four design shapes (or any of bench_moe.SHAPES; moe_cutlass.tuning), beside the
+built-in rule.
 
 usage: python -m benchmarks.autotune_tables [--configs a,b] [--ms 1,4,...] [--reps 10] [--out-dir DIR]
 Writes a "tuning" record that is itself a tuning file: `moe_cutlass.tuning.load(record_path)`
@@ -10,7 +11,7 @@ import argparse
 
 import torch
 
-from benchmarks.bench_moe import CONFIGS, random_experts
+from benchmarks.bench_moe import CONFIGS, SHAPES, random_experts
 from benchmarks.record import record_main
 from moe_cutlass import _gemm, tuning
 
@@ -30,7 +31,7 @@ def run(args):
     ms = [int(m) for m in args.ms.split(",")]
     tables = []
     for name in args.configs.split(","):
-        E, H, I, k = CONFIGS[name]
+        E, H, I, k = SHAPES[name]
         experts = random_experts(E, H, I, gen)
         table = tuning.autotune(experts, k, ms, reps=args.reps, install=False)
         table["config"] = name
@@ -38,9 +39,10 @@ def run(args):
                          for M in ms}
         for M in ms:
             rule_us = table["us"][M][_gemm.PLAN]
-            best_us = table["us"][M][table["choices"][M][0]]
+            best = tuning.key(table["choices"][M])
+            best_us = table["us"][M][best]
             print(f"{name:14s} M={M:6d} rule {'+'.join(table['rule'][M]):28s} {rule_us:9.1f} us  "
-                  f"tuned {table['choices'][M][0]:28s} {best_us:9.1f} us  ({rule_us / best_us:.3f}x)", flush=True)
+                  f"tuned {best:28s} {best_us:9.1f} us  ({rule_us / best_us:.3f}x)", flush=True)
         tables.append(table)
         del experts
         torch.cuda.empty_cache()

@@ -23,6 +23,11 @@ GEMM1_CONFIG = "moe_gemm1_m128n32k128_coop"
 GEMM2_CONFIG = "moe_gemm2_m128n32k128_coop"
 ALL_ROWS = (1 << 30, 0, 1 << 30)   # the row window (chunk, rem_lo, rem_hi) that takes every row
 PLAN = "plan"   # a tuned choice that keeps the built-in rule (plan) for its batch size
+# A tuned choice that keeps the rule's plan but runs that GEMM's tiles on 128 rows (short): with few experts a
+# GEMM's 192-row tiles can leave the last wave of a launch mostly idle (mixtral-8x7b's GEMM2: 22 of them an
+# expert, 8 experts; benchmarks/NOTES.md (40)); tuning.autotune measures it beside the rule.
+PLAN_SHORT = "plan-128rows"
+PLANS = (PLAN, PLAN_SHORT)
 
 
 def pick_config(kind: int, rows: int, num_experts: int, available=None, batch_invariant=False) -> str:
@@ -255,6 +260,11 @@ CLUSTER_TILES = {"m128n128k128_coop": "m128n128k128_coop_c2", "m192n128k128_coop
 CLUSTER_MIN_ROWS = 256
 
 
+# 192-row tile -> its 128-row twin: the inverse of the tables above (two 192-row tiles of one token width, TileK 128 and
+# 256, have one 128-row twin).
+SHORT_TILES = {t: s for table in (TALL_TILES, TALL_TILES_K256, TALL_TILES_GEMM1) for s, t in table.items()}
+
+
 def _mapped(config: str, table: dict, available=None) -> str:
     """config with its tile replaced by table's (keyed by config suffix) where the library holds that
     (available: GEMM1 names; a GEMM2 config follows its GEMM1 twin), else config."""
@@ -283,6 +293,11 @@ def tall(config: str, on: bool, available=None, K=None, gemm2_min_k=None) -> str
         if other != config:
             return other
     return config
+
+
+def short(config: str, available=None) -> str:
+    """config's 128-row twin (SHORT_TILES) where the library holds it, else config."""
+    return _mapped(config, SHORT_TILES, available)
 
 
 def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tall_tiles=None,
@@ -321,6 +336,17 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
     if split_tiles is None and per_expert >= CLUSTER_MIN_ROWS:
         parts = tuple((clustered(c1, available), clustered(c2, available), lo, hi) for c1, c2, lo, hi in parts)
     return Plan(p.chunk, parts)
+
+
+def tuned_plan(pair, rows: int, num_experts: int, available=None, ks=None) -> Plan:
+    """The plan of a tuned choice (gemm1, gemm2): two configs, one launch each over every row; or two of PLANS, the
+    rule's plan (plan(), ks as there) with each GEMM whose entry is PLAN_SHORT on its 128-row tiles."""
+    if pair[0] not in PLANS:
+        return single(*pair)
+    p = plan(rows, num_experts, available, ks=ks)
+    s1, s2 = (entry == PLAN_SHORT for entry in pair)
+    return Plan(p.chunk, tuple((short(c1, available) if s1 else c1, short(c2, available) if s2 else c2, lo, hi)
+                               for c1, c2, lo, hi in p.parts))
 
 
 # Tile choices that moe_cutlass.tuning measured for a layer shape on a device, in force for fused_moe

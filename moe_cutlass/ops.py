@@ -240,9 +240,9 @@ def _gemms(slots: int, E: int, H: int, I: int, batch_invariant: bool, fused: str
            pdl: bool) -> _Gemms:
     # The GEMM tiles follow the rows per expert, which the host knows only on average (slots / E):
     # _gemm.plan's parts let the device place each expert's rows. A shape that moe_cutlass.tuning
-    # measured (tuned: the two config names, or _gemm.PLAN for the rule) runs them as one launch each.
-    if tuned is not None and tuned[0] != _gemm.PLAN:
-        p = _gemm.single(*tuned)
+    # measured (tuned: the two config names, run as one launch each, or the rule's plan, _gemm.tuned_plan) runs that.
+    if tuned is not None:
+        p = _gemm.tuned_plan(tuned, slots, E, _gemm.configs_of(1), ks=(H, I))
     else:
         p = _gemm.plan(slots, E, _gemm.configs_of(1), batch_invariant, ks=(H, I))
     if len(p.parts) > MAX_GEMM_PARTS:   # only a plan from other split tiles (A/B) can have more

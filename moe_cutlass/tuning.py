@@ -4,7 +4,9 @@ fused_moe picks its GEMM tiles by a rule measured on an H200 under uniform rando
 (`_gemm.plan`, from the average rows per expert: one tile, or parts among which the device
 places each expert's rows). A different GPU, a shape far from the
 measured ones, or a skewed routing can prefer another tile (benchmarks/NOTES.md: a tile sized for
-the mean re-streams the busy experts' weights). `autotune` measures instead:
+the mean re-streams the busy experts' weights), and a layer of few experts the rule's parts with GEMM2 on
+128-row tiles (more tiles per launch: mixtral-8x7b -3.6..-8.4% at M = 16-1024, NOTES.md (40)). `autotune`
+measures instead:
 
     table = moe_cutlass.tuning.autotune(experts, top_k=4, num_tokens=(1, 16, 256, 4096))
     moe_cutlass.tuning.save("tiles.json", [table])     # once
@@ -32,10 +34,16 @@ FORMAT = 1
 
 def candidates() -> list:
     """(GEMM1 config, GEMM2 config) pairs of every token tile the built library holds for both GEMMs,
-    and (PLAN, PLAN): the built-in rule, _gemm.plan."""
+    (PLAN, PLAN): the built-in rule, _gemm.plan, and (PLAN, PLAN_SHORT): the rule with GEMM2 on 128-row tiles."""
     gemm2 = set(_gemm.configs_of(2))
     return [(c1, c1.replace("moe_gemm1_", "moe_gemm2_", 1)) for c1 in sorted(_gemm.configs_of(1))
-            if c1.replace("moe_gemm1_", "moe_gemm2_", 1) in gemm2] + [(_gemm.PLAN, _gemm.PLAN)]
+            if c1.replace("moe_gemm1_", "moe_gemm2_", 1) in gemm2] + [(_gemm.PLAN, _gemm.PLAN),
+                                                                       (_gemm.PLAN, _gemm.PLAN_SHORT)]
+
+
+def key(pair) -> str:
+    """A candidate's name in autotune's "us": its GEMM1 config or PLAN, "plan/plan-128rows" for (PLAN, PLAN_SHORT)."""
+    return pair[0] if pair[0] not in _gemm.PLANS or pair[1] == pair[0] else f"{pair[0]}/{pair[1]}"
 
 
 def _routing(M, E, k, gen, device):
@@ -77,7 +85,7 @@ def autotune(experts, top_k: int, num_tokens=DEFAULT_TOKENS, reps: int = 20, see
     """Times every candidate tile pair for each batch size in num_tokens on experts' GPU (device
     time, median of reps, the candidates interleaved; each repetition on a fresh random routing, so
     the weights do not sit in L2) and returns the table
-    {"device", "E", "H", "I", "top_k", "choices": {M: [gemm1, gemm2]}, "us": {M: {gemm1: us}}};
+    {"device", "E", "H", "I", "top_k", "choices": {M: [gemm1, gemm2]}, "us": {M: {key(candidate): us}}};
     with install=True fused_moe uses it from now on."""
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("autotune: cannot run while a CUDA graph is being captured (it times eager calls "
@@ -108,8 +116,8 @@ def autotune(experts, top_k: int, num_tokens=DEFAULT_TOKENS, reps: int = 20, see
                     fused_moe(x, experts, *routings[i], out=out)
                 return run
 
-            times[M] = dict(zip((p[0] for p in pairs), _time_interleaved([call(p) for p in pairs], reps)))
-            best = min(pairs, key=lambda p: times[M][p[0]])
+            times[M] = dict(zip(map(key, pairs), _time_interleaved([call(p) for p in pairs], reps)))
+            best = min(pairs, key=lambda p: times[M][key(p)])
             choices[M] = list(best)
     finally:
         _gemm._TUNED.pop((name, E, H, I, top_k), None)
@@ -178,7 +186,10 @@ def _check_table(table, where) -> None:
             ok = False
         if not ok or not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise ValueError(f"{where}: choices[{m!r}] must be a batch size >= 1 -> [gemm1 config, gemm2 config]")
+        if (pair[0] in _gemm.PLANS) != (pair[1] in _gemm.PLANS):
+            raise ValueError(f"{where}: choices[{m!r}] = {list(pair)!r} mixes a config with a plan: two configs, or "
+                             f"two of {list(_gemm.PLANS)}")
         for kind, config in zip((1, 2), pair):
-            if config not in built[kind] and config != _gemm.PLAN:
+            if config not in built[kind] and config not in _gemm.PLANS:
                 raise ValueError(f"{where}: choices[{m!r}] names {config!r}, not a GEMM{kind} config of the built "
-                                 f"library ({', '.join(sorted(built[kind]))}) or {_gemm.PLAN!r}")
+                                 f"library ({', '.join(sorted(built[kind]))}) or one of {list(_gemm.PLANS)}")

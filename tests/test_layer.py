@@ -208,6 +208,30 @@ def test_layers_of_few_large_experts_keep_the_spreads_parts(shape):
     assert _gemm.tile_n(big.parts[-1][0]) == _gemm.SKEW_TILE_N and big.chunk == _gemm.SKEW_TILE_N
 
 
+def test_short_is_the_inverse_of_tall_and_tuned_plans_use_it():
+    """Every 192-row tile maps back to the 128-row tile it stands for; a tuned (PLAN, PLAN_SHORT) is the rule's
+    plan with GEMM2's tiles on 128 rows and GEMM1's as the rule has them; two configs are one launch each."""
+    from moe_cutlass import _gemm
+
+    for table in (_gemm.TALL_TILES, _gemm.TALL_TILES_K256, _gemm.TALL_TILES_GEMM1):
+        for s, t in table.items():
+            assert _gemm.short(f"moe_gemm2_{t}") == f"moe_gemm2_{s}"
+    assert _gemm.short("moe_gemm2_m128n64k256_coop") == "moe_gemm2_m128n64k256_coop"
+    assert _gemm.short("moe_gemm2_m192n64k128_coop", available=["moe_gemm1_m192n64k128_coop"]) == \
+        "moe_gemm2_m192n64k128_coop"   # a library without the twin keeps the tile
+    for rows, E, ks in ((256 * 2, 8, (4096, 14336)), (16 * 2, 8, (4096, 14336)), (4096 * 8, 256, (7168, 2048))):
+        rule = _gemm.plan(rows, E, ks=ks)
+        short = _gemm.tuned_plan((_gemm.PLAN, _gemm.PLAN_SHORT), rows, E, ks=ks)
+        assert short.chunk == rule.chunk and [p[0] for p in short.parts] == [p[0] for p in rule.parts]
+        assert [p[2:] for p in short.parts] == [p[2:] for p in rule.parts]
+        assert [p[1] for p in short.parts] == [_gemm.short(p[1]) for p in rule.parts]
+        assert all(p[1].startswith("moe_gemm2_m128") for p in short.parts) and any(
+            p[1].startswith("moe_gemm2_m192") for p in rule.parts)
+        assert _gemm.tuned_plan((_gemm.PLAN, _gemm.PLAN), rows, E, ks=ks) == rule
+    pair = ("moe_gemm1_m128n32k256_coop", "moe_gemm2_m128n32k256_coop")
+    assert _gemm.tuned_plan(pair, 1000, 8) == _gemm.single(*pair)
+
+
 def test_ridge_parts_keep_tilek_256_on_192_rows_where_k_allows():
     from moe_cutlass import _gemm
 

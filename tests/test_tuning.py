@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import moe_cutlass as mc
-from moe_cutlass import _gemm, tuning
+from moe_cutlass import _gemm, ops, tuning
 from moe_cutlass._device import device_info
 from tests.helpers import assert_close, random_experts, random_hidden, random_routing
 
@@ -81,6 +81,16 @@ def test_a_bad_file_is_a_clear_error(fake_library, tmp_path, content, message):
     assert _gemm._TUNED == {}
 
 
+def test_plan_choices_load_and_a_mixed_pair_is_refused(fake_library, tmp_path):
+    path = tmp_path / "tiles.json"
+    tuning.save(path, [table({16: [_gemm.PLAN, _gemm.PLAN_SHORT], 256: [_gemm.PLAN, _gemm.PLAN]})])
+    tuning.load(path)
+    assert _gemm.tuned_configs("GPU X", 8, 256, 128, 2, 16) == (_gemm.PLAN, _gemm.PLAN_SHORT)
+    with pytest.raises(ValueError, match="mixes a config with a plan"):
+        tuning.use(table({16: [_gemm.PLAN, "moe_gemm2_m128n8k256_coop"]}))
+    assert tuning.key((_gemm.PLAN, _gemm.PLAN_SHORT)) == "plan/plan-128rows" and tuning.key(pair("n8k256")) == pair("n8k256")[0]
+
+
 def test_missing_file_names_it(tmp_path):
     with pytest.raises(ValueError, match="nope.json"):
         tuning.load(tmp_path / "nope.json")
@@ -98,8 +108,8 @@ def test_autotune_picks_a_measured_tile_per_batch_and_the_layer_uses_it():
     assert set(result["choices"]) == {4, 256}
     for M, choice in result["choices"].items():
         assert tuple(choice) in pairs
-        assert set(result["us"][M]) == {p[0] for p in pairs}
-        assert min(result["us"][M].values()) == result["us"][M][choice[0]]
+        assert set(result["us"][M]) == {tuning.key(p) for p in pairs} and len(result["us"][M]) == len(pairs)
+        assert min(result["us"][M].values()) == result["us"][M][tuning.key(choice)]
         assert _gemm.tuned_configs(result["device"], E, H, I, k, M) == tuple(choice)
     for M in (4, 300):
         x = random_hidden(M, H, gen)
@@ -108,24 +118,34 @@ def test_autotune_picks_a_measured_tile_per_batch_and_the_layer_uses_it():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["n8k256", "n128k128"])
+@pytest.mark.parametrize("tile", ["n8k256", "n128k128", "plan-128rows"])
 def test_a_forced_tile_is_used_and_right(tile, monkeypatch):
     """A table naming a tile far from the rule's pick (the 8-token tile at 1000 tokens, the 128-token
-    one at 3) is what the layer launches, and still gives the reference's result."""
+    one at 3), or the rule's plan with GEMM2 on 128-row tiles, is what the layer launches, and still gives
+    the reference's result."""
     gen = torch.Generator("cuda").manual_seed(4)
     E, H, I, k = 16, 256, 128, 4
     experts = random_experts(E, H, I, gen)
     name = device_info(torch.cuda.current_device()).name
-    tuning.use(table({3: pair(tile), 1000: pair(tile)}, device=name, shape=(E, H, I, k)))
-    looked_up = []
-    lookup = _gemm.tuned_configs
+    choice = [_gemm.PLAN, _gemm.PLAN_SHORT] if tile == _gemm.PLAN_SHORT else pair(tile)
+    tuning.use(table({3: choice, 1000: choice}, device=name, shape=(E, H, I, k)))
+    ops._gemms.cache_clear()   # the plan is built, not taken from a call before
+    looked_up, plans = [], []
+    lookup, tuned_plan = _gemm.tuned_configs, _gemm.tuned_plan
     monkeypatch.setattr(_gemm, "tuned_configs", lambda *a: looked_up.append(lookup(*a)) or looked_up[-1])
+    monkeypatch.setattr(_gemm, "tuned_plan", lambda *a, **kw: plans.append(tuned_plan(*a, **kw)) or plans[-1])
     for M in (3, 1000):
         looked_up.clear()
+        plans.clear()
         x = random_hidden(M, H, gen)
         weights, ids = random_routing(M, E, k, gen)
         assert_close(mc.fused_moe(x, experts, weights, ids), mc.reference.fused_moe_float(x, experts, weights, ids))
-        assert looked_up == [tuple(pair(tile))]
+        assert looked_up == [tuple(choice)]
+        if tile == _gemm.PLAN_SHORT:   # at 1000 tokens the rule's split parts, GEMM2's on 128 rows, GEMM1's as the rule
+            rule = _gemm.plan(M * k, E, _gemm.configs_of(1), ks=(H, I))
+            assert len(plans) == 1 and [p[0] for p in plans[0].parts] == [p[0] for p in rule.parts]
+            assert all(p[1].startswith("moe_gemm2_m128") for p in plans[0].parts)
+            assert M == 3 or any(p[1].startswith("moe_gemm2_m192") for p in rule.parts)
 
 
 @pytest.mark.gpu
