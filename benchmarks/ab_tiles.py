@@ -27,7 +27,8 @@ import torch
 
 import moe_cutlass as mc
 from benchmarks import routings
-from benchmarks.bench_moe import CONFIGS, SHAPES, Timer, floor_us, graph_of, measure_floors, random_batch, random_experts
+from benchmarks.bench_moe import (CONFIGS, SHAPES, Timer, floor_us, graph_of, measure_floors, random_batch,
+                                  random_experts)
 from benchmarks.record import write_record
 from moe_cutlass import _gemm, ops
 

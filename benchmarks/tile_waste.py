@@ -4,9 +4,9 @@ weights are streamed.
 
 usage: python -m benchmarks.tile_waste [--ms 1,4,16,...] [--configs a,b] [--seeds 5] [--out-dir DIR]
 
-For every shape of bench_moe.CONFIGS (or --configs, any of bench_moe.SHAPES), every M and the three routings of benchmarks/routings.py
-(uniform, Dirichlet, Zipf), --seeds batches are drawn and the rows per expert r_e counted.
-A scheme gives expert e tiles that cover padded_e >= r_e rows. Per scheme the record holds
+For every shape of bench_moe.CONFIGS (or --configs, any of bench_moe.SHAPES), every M and the three
+routings of benchmarks/routings.py (uniform, Dirichlet, Zipf), --seeds batches are drawn and the rows
+per expert r_e counted. A scheme gives expert e tiles that cover padded_e >= r_e rows. Per scheme the record holds
 waste = sum padded_e / sum r_e (padded MMA work over useful work) and re-stream = tiles over
 active experts (how many times each active expert's weights are streamed; 1 is ideal). Schemes:
 - "pick": one TileN for all experts, the one moe_cutlass._gemm.pick_config takes for M * k rows
