@@ -126,9 +126,9 @@ def parse_args(argv=None):
     parser.add_argument("--out-dir", default=None, help="where the record goes (default benchmarks/results)")
     args = parser.parse_args(argv)
     args.configs = args.configs.split(",")
-    unknown = [n for n in args.configs if n not in CONFIGS]
+    unknown = [n for n in args.configs if n not in SHAPES]
     if unknown:
-        parser.error(f"--configs: unknown {unknown}; known: {list(CONFIGS)}")
+        parser.error(f"--configs: unknown {unknown}; known: {list(SHAPES)}")
     return args
 
 
