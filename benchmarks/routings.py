@@ -1,6 +1,6 @@
 """Synthetic top-k routings for the benchmarks: the uniform one that bench_moe times (and the anchors'
 peer benchmark draws alike) and two skewed ones, for tile_waste's simulation, ab_tiles' plan A/Bs and
-the peer benchmark under skew (peers_skewed).
+the peer benchmark under skew (peers_variants).
 
 - "uniform": the top k of uniform scores (k distinct experts per token);
 - "dirichlet": expert popularity p ~ Dirichlet(DIRICHLET_ALPHA) per batch, then k distinct
