@@ -11,8 +11,6 @@ import argparse
 import importlib.util
 import json
 
-import torch
-
 from benchmarks import routings
 from benchmarks.bench_moe import MODELS
 
@@ -20,11 +18,7 @@ from benchmarks.bench_moe import MODELS
 def skewed_route(kind):
     """A peers_bench.route replacement: (weights [M, k] float32 summing to 1, int32 ids [M, k]) on the run
     generator g's device, the ids drawn under `kind` on the CPU from a seed that g gives."""
-    def route(M, E, topk, g):
-        ids = routings.route_like(kind, M, E, topk, g)
-        weights = torch.rand(M, topk, device=g.device, generator=g) + 0.1
-        return (weights / weights.sum(-1, keepdim=True)).float(), ids
-    return route
+    return lambda M, E, topk, g: routings.batch_like(kind, M, E, topk, g)
 
 
 def load_peers_bench(path):

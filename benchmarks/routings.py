@@ -41,5 +41,13 @@ def route_like(kind, M, E, k, gen):
     return route(kind, M, E, k, torch.Generator().manual_seed(seed)).to(gen.device, torch.int32)
 
 
+def batch_like(kind, M, E, k, gen):
+    """(weights float32 [M, k] summing to 1 per token, int32 ids [M, k] from route_like) on gen's device: a batch's
+    routing for the peer benchmark or for tuning.autotune's routing argument."""
+    ids = route_like(kind, M, E, k, gen)
+    weights = torch.rand(M, k, device=gen.device, generator=gen) + 0.1
+    return (weights / weights.sum(-1, keepdim=True)).float(), ids
+
+
 def rows_per_expert(ids, E):
     return torch.bincount(ids.flatten(), minlength=E)

@@ -52,6 +52,23 @@ def _routing(M, E, k, gen, device):
     return torch.rand(M, k, device=device, generator=gen).softmax(dim=1), ids
 
 
+def _checked_routing(routing, M, E, k, gen, device):
+    """A caller's routing(M, gen) -> (topk_weights, topk_ids), checked: a wrong draw would tune the tiles for
+    another batch than the layer will see, or fail inside the timed calls."""
+    try:
+        weights, ids = routing(M, gen)
+    except Exception as e:
+        raise ValueError(f"routing: calling it with ({M}, generator) failed: {e!r}") from e
+    for name, t, dtypes in (("topk_weights", weights, (torch.float32,)), ("topk_ids", ids, (torch.int32, torch.int64))):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (M, k) or t.dtype not in dtypes or t.device != device:
+            got = (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__)
+            raise ValueError(f"routing: its {name} must be a [{M}, {k}] {' or '.join(map(str, dtypes))} tensor on "
+                             f"{device}, got {got}")
+    if int(ids.min()) < 0 or int(ids.max()) >= E:   # tuning synchronizes anyway
+        raise ValueError(f"routing: its topk_ids must lie in [0, {E}), got [{int(ids.min())}, {int(ids.max())}]")
+    return weights, ids
+
+
 # Device cycles the GPU sleeps before each timed call, while the host enqueues it: the events then
 # time the call's kernels, not its host time (~12 us eager at M = 1 on the H200 machines).
 _SLEEP_CYCLES = 200_000
@@ -81,12 +98,17 @@ def _time_interleaved(fns, reps) -> list:
     return [statistics.median(t) for t in times]
 
 
-def autotune(experts, top_k: int, num_tokens=DEFAULT_TOKENS, reps: int = 20, seed: int = 0, install: bool = True) -> dict:
+def autotune(experts, top_k: int, num_tokens=DEFAULT_TOKENS, reps: int = 20, seed: int = 0, install: bool = True,
+             routing=None) -> dict:
     """Times every candidate tile pair for each batch size in num_tokens on experts' GPU (device
     time, median of reps, the candidates interleaved; each repetition on a fresh random routing, so
     the weights do not sit in L2) and returns the table
-    {"device", "E", "H", "I", "top_k", "choices": {M: [gemm1, gemm2]}, "us": {M: {key(candidate): us}}};
-    with install=True fused_moe uses it from now on."""
+    {"device", "E", "H", "I", "top_k", "choices": {M: [gemm1, gemm2]}, "us": {M: {key(candidate): us}}, "routing"};
+    with install=True fused_moe uses it from now on. routing: None for uniform random scores (the
+    benchmarks' routing), or a callable (num_tokens, generator) -> (topk_weights float32, topk_ids int32 / int64),
+    both [num_tokens, top_k] on the experts' device, drawing the batches to tune on (say, from the model's own
+    router statistics: busy experts change which tiles pay, benchmarks/NOTES.md (39)); the table's "routing"
+    says "uniform" or "caller"."""
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("autotune: cannot run while a CUDA graph is being captured (it times eager calls "
                            "and synchronizes); tune before capturing")
@@ -97,6 +119,9 @@ def autotune(experts, top_k: int, num_tokens=DEFAULT_TOKENS, reps: int = 20, see
         raise ValueError(f"num_tokens: expected batch sizes >= 1, got {num_tokens!r}")
     if not isinstance(reps, int) or reps < 1:
         raise ValueError(f"reps: expected an int >= 1, got {reps!r}")
+    if routing is not None and not callable(routing):
+        raise ValueError(f"routing: expected None or a callable (num_tokens, generator) -> (topk_weights, topk_ids), "
+                         f"got {type(routing).__name__}")
     device = experts.device
     name = device_info(device_index(device)).name
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
@@ -108,7 +133,8 @@ def autotune(experts, top_k: int, num_tokens=DEFAULT_TOKENS, reps: int = 20, see
     try:
         for M in ms:
             x = torch.randn(M, H, device=device, generator=gen).to(torch.bfloat16)
-            routings = [_routing(M, E, top_k, gen, device) for _ in range(reps * len(pairs))]
+            routings = [_routing(M, E, top_k, gen, device) if routing is None else
+                        _checked_routing(routing, M, E, top_k, gen, device) for _ in range(reps * len(pairs))]
             out = torch.empty(M, H, dtype=torch.bfloat16, device=device)
             def call(pair):
                 def run(i):
@@ -123,7 +149,8 @@ def autotune(experts, top_k: int, num_tokens=DEFAULT_TOKENS, reps: int = 20, see
         _gemm._TUNED.pop((name, E, H, I, top_k), None)
         if saved is not None:
             _gemm._TUNED[(name, E, H, I, top_k)] = saved
-    table = {"device": name, "E": E, "H": H, "I": I, "top_k": top_k, "choices": choices, "us": times}
+    table = {"device": name, "E": E, "H": H, "I": I, "top_k": top_k, "choices": choices, "us": times,
+             "routing": "uniform" if routing is None else "caller"}
     if install:
         use(table)
     return table

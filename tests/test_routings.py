@@ -29,3 +29,11 @@ def test_dirichlet_is_seeded_by_the_generator_alone():
     draws = [routings.route("dirichlet", 64, 128, 4, torch.Generator().manual_seed(7)) for _ in range(2)]
     assert torch.equal(draws[0], draws[1])
     assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_batch_like_gives_weights_summing_to_one_beside_the_ids():
+    gen = torch.Generator().manual_seed(9)
+    weights, ids = routings.batch_like("zipf", 300, 64, 6, gen)
+    assert weights.shape == ids.shape == (300, 6) and weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert torch.allclose(weights.sum(-1), torch.ones(300)) and bool((weights > 0).all())
+    assert (ids.sort(dim=1).values.diff(dim=1) > 0).all()

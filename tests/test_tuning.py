@@ -149,6 +149,52 @@ def test_a_forced_tile_is_used_and_right(tile, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_autotune_tunes_on_the_callers_routing():
+    """A routing callable draws every batch that autotune times (each candidate's each repetition), and the
+    table says so; the layer is still right on such a batch."""
+    gen = torch.Generator("cuda").manual_seed(6)
+    E, H, I, k = 16, 256, 128, 4
+    experts = random_experts(E, H, I, gen)
+    calls = []
+
+    def hot(M, g):   # every token on experts 0..k-1: a few busy experts, the rest idle
+        calls.append(M)
+        ids = torch.arange(k, device="cuda", dtype=torch.int32).expand(M, k).contiguous()
+        return torch.rand(M, k, device="cuda", generator=g).softmax(dim=1), ids
+
+    result = tuning.autotune(experts, k, num_tokens=(8, 200), reps=2, routing=hot)
+    n = 2 * len(tuning.candidates())
+    assert result["routing"] == "caller" and calls == [8] * n + [200] * n
+    assert tuning.autotune(experts, k, num_tokens=(8,), reps=1, install=False)["routing"] == "uniform"
+    x = random_hidden(200, H, gen)
+    weights, ids = hot(200, gen)
+    assert_close(mc.fused_moe(x, experts, weights, ids), mc.reference.fused_moe_float(x, experts, weights, ids))
+
+
+def _raises(error):
+    raise error
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad, message", [
+    (3, "routing: expected None or a callable"),
+    (lambda M, g: _raises(KeyError("boom")), "routing: calling it with"),
+    (lambda M, g: (torch.ones(M, 3, device="cuda") / 3, torch.zeros(M, 3, dtype=torch.int32, device="cuda")),
+     r"routing: its topk_weights must be a \[4, 2\]"),
+    (lambda M, g: (torch.full((M, 2), 0.5), torch.zeros(M, 2, dtype=torch.int32)), "on cuda"),
+    (lambda M, g: (torch.full((M, 2), 0.5, device="cuda"), torch.zeros(M, 2, device="cuda")), "topk_ids must be"),
+    (lambda M, g: (torch.full((M, 2), 0.5, device="cuda"), torch.full((M, 2), 8, dtype=torch.int32, device="cuda")),
+     r"must lie in \[0, 8\)"),
+])
+def test_a_bad_routing_is_refused_by_name(bad, message):
+    gen = torch.Generator("cuda").manual_seed(7)
+    experts = random_experts(8, 128, 64, gen)
+    with pytest.raises(ValueError, match=message):
+        tuning.autotune(experts, 2, num_tokens=(4,), reps=1, routing=bad)
+    assert _gemm._TUNED == {}
+
+
+@pytest.mark.gpu
 def test_autotune_refuses_inside_a_graph_capture():
     gen = torch.Generator("cuda").manual_seed(5)
     experts = random_experts(8, 128, 64, gen)
