@@ -128,8 +128,8 @@ def time_tiles(name, tokens, tiles, timer, floors, gen, rounds, routing="uniform
         per_round = Timer(max(5, timer.reps // rounds), timer.flush_buf)
         times = interleaved_us([g.replay for g in graphs], lambda fn: per_round.median_us(fn, warmup=2), rounds)
         for tile, is_rule, us in zip(names, picked, times):
-            rows.append({"impl": "moe_cutlass", "config": name, "M": M, "mode": "graph", "routing": routing, "tile": tile,
-                         "picked": is_rule, "us": us, "floor_us": floor, "x_floor": us / floor})
+            rows.append({"impl": "moe_cutlass", "config": name, "M": M, "mode": "graph", "routing": routing,
+                         "tile": tile, "picked": is_rule, "us": us, "floor_us": floor, "x_floor": us / floor})
             print(f"{name:14s} M={M:6d} {tile:30s}{'*' if is_rule else ' '} {us:9.1f} us  x{us / floor:5.2f}",
                   flush=True)
         del graphs

@@ -88,7 +88,8 @@ def test_plan_choices_load_and_a_mixed_pair_is_refused(fake_library, tmp_path):
     assert _gemm.tuned_configs("GPU X", 8, 256, 128, 2, 16) == (_gemm.PLAN, _gemm.PLAN_SHORT)
     with pytest.raises(ValueError, match="mixes a config with a plan"):
         tuning.use(table({16: [_gemm.PLAN, "moe_gemm2_m128n8k256_coop"]}))
-    assert tuning.key((_gemm.PLAN, _gemm.PLAN_SHORT)) == "plan/plan-128rows" and tuning.key(pair("n8k256")) == pair("n8k256")[0]
+    assert tuning.key((_gemm.PLAN, _gemm.PLAN_SHORT)) == "plan/plan-128rows"
+    assert tuning.key(pair("n8k256")) == pair("n8k256")[0]
 
 
 def test_missing_file_names_it(tmp_path):
