@@ -33,7 +33,7 @@ PLANS = (PLAN, PLAN_SHORT)
 def pick_config(kind: int, rows: int, num_experts: int, available=None, batch_invariant=False) -> str:
     """A config for GEMM<kind> given the host-known number of rows (M * top_k) and E.
 
-    With few rows per expert the kernels stream weights, and the 8/16-token tiles with TileK 256
+    With few rows per expert the kernels stream weights, and the 8/32-token tiles with TileK 256
     win even when a busy expert needs a second tile; from ~24 rows per expert on, routing's
     unevenness decides: a tile sized for the average makes many experts re-stream their weights
     for a second tile, so the next larger tile wins. Layer A/B on an H200 with random routing
@@ -43,8 +43,15 @@ def pick_config(kind: int, rows: int, num_experts: int, available=None, batch_in
     24 the 32-token tile still wins (dsv4 1918 vs 2122 us), at 8 the 16-token one (gpt-oss 738
     vs 909 us). The 32- and 64-token tiles take TileK 256: the same tile with half the k tiles'
     fixed work (barrier wait, GMMA descriptors, scale loads) is 3-10% faster in one run
-    (benchmarks/results/bench_20261201T030839Z.json, NOTES.md 2026-12-01 (5)). The real
-    per-expert counts live on the device only.
+    (benchmarks/results/bench_20261201T030839Z.json, NOTES.md 2026-12-01 (5)). From 4 to 12 rows per
+    expert the 32-token tile (on 192 rows: its GMMAs only as wide as each expert's rows, 8-32) replaced
+    the 16-token one: layers, five rounds interleaved, every routing, the four shapes at 4.5-12 rows
+    per expert (benchmarks/results/raw/bench_20261204T1439*Z_stream_tile_n32_sweep_*.json, and
+    bench_20261204T1440*Z_...): uniform -0.4..-20.8% (gpt-oss M = 192 +0.4%), Zipf -6.9..-25.6%,
+    Dirichlet -9.2..-31.4%; seven more models' shapes (raw/bench_20261204T1442*Z_models_stream_tile_n32_*.json)
+    uniform -0.6..-15.1%, Zipf -1.0..-23.5%. At 4 rows per expert and below it loses under uniform
+    routing (+1.5..+5.3%; -3..-30% under skew), so the 8-token tile stays there. The real per-expert
+    counts live on the device only.
 
     batch_invariant: only tiles that sum a token's products in one order. A tile's order depends
     on its number of accumulator chains alone (moe_gemm_mainloop.hpp, NumAcc: 4 for N <= 16, 2
@@ -53,7 +60,7 @@ def pick_config(kind: int, rows: int, num_experts: int, available=None, batch_in
     """
     per_expert = rows / max(1, num_experts)
     tiles = ((48, "n64k256"),) if batch_invariant else (
-        (4, "n8k256"), (12, "n16k256"), (24, "n32k256"), (48, "n64k256"))
+        (4, "n8k256"), (24, "n32k256"), (48, "n64k256"))
     for limit, tile in tiles:
         if per_expert <= limit:
             break
@@ -109,7 +116,7 @@ def single(config1: str, config2: str = None) -> Plan:
 # plans for (mean +- SPREAD_SDS sqrt(mean), uniform top-k routing's spread; busier experts are still
 # correct, in a larger tile than they need).
 SPLIT_TILES = ("m128n128k128_coop", "m128n96k128_coop", "m128n64k256_coop", "m128n32k256_coop")
-SPLIT_MIN_ROWS = 12   # rows per expert above which plan() splits (pick_config's 8/16-token tiles below)
+SPLIT_MIN_ROWS = 12   # rows per expert above which plan() splits (pick_config's 8/32-token tiles below)
 SPREAD_SDS = 3.0
 # From this many rows per expert on, every part is launched, whatever the spread says: a skewed
 # routing's remainders are then still in the tile that fits them (dsv4-flash at M = 4096, 96 rows
@@ -219,14 +226,17 @@ def split_plan(rows: int, num_experts: int, tiles=None, expert_weights=None) -> 
 # from 1.5 rows per expert on -1.2..-3.6% on all four shapes (M = 32 qwen3, M = 64 all, M = 128
 # gpt-oss / dsv4-flash; dsv3 M = 128 +2.8 / -0.1%), below it -3.5..+4.2% (dsv4-flash +3.8..+4.2% at
 # M = 8-16, dsv3 -2.9..-3.5%): fewer, longer tiles leave more of the last wave idle when few
-# experts are active. So plan() takes it from TALL_STREAM_MIN_ROWS rows per expert. The 16-token tile (4-12 rows
-# per expert) runs on 192 rows as well since its GMMAs go as wide as the tile's tokens (moe_gemm_mainloop.hpp items
-# 12-13): layer time, both GEMMs on m192n16k128 against m128n16k256, two ab_tiles runs of seven interleaved rounds
-# (benchmarks/results/raw/bench_20261203T0744*Z_ab_tiles_16_token_tall_r*.json, sum of both): gpt-oss M = 192 / 256 / 384
-# -5.7 / -5.5 / -7.1%, qwen3 M = 128 / 192 -5.4 / -5.3%, dsv4-flash M = 192 / 256 / 384 / 512 -1.4 / -0.0 / -4.6 / -2.7%,
-# dsv3 M = 192 / 256 / 384 +1.0 / -2.1 / +0.7%.
-TALL_TILES = {"m128n8k256_coop": "m192n8k256_coop", "m128n16k256_coop": "m192n16k128_coop",
-              "m128n32k256_coop": "m192n32k128_coop", "m128n64k256_coop": "m192n64k128_coop"}
+# experts are active. So plan() takes it from TALL_STREAM_MIN_ROWS rows per expert. The 32-token tile, streaming
+# from 4 to 12 rows per expert (pick_config) or a split part, and the 64-token part keep TileK 256 on 192 rows too
+# (half-tile register sets). Measured first (2026-12-01 (15)) at M = 1024 against TileK 128: dsv3 -2.0 / -2.0%,
+# dsv4-flash -1.9 / -2.7%, qwen3 M = 256 -1.7 / -2.6%, gpt-oss (K = 2880, padded to 3072 by TileK 256 and to 2944
+# by 128) +1.0 / +0.5%, so the rule then asked for K % 256 == 0. Since the GMMAs run only as wide as the tile's
+# tokens (moe_gemm_mainloop.hpp items 12-13), gpt-oss gains too: its split plans with the 32/64-token parts on TileK
+# 256 against 128, five rounds interleaved, M = 512-2048 (benchmarks/results/raw/bench_20261204T144*Z_gpt_oss_k256_
+# split_parts_*.json): uniform -0.8..-8.9%, Zipf -2.1..-8.6%, Dirichlet -1.4..-3.4%; gpt-oss-20b -6.2..+0.1%. And
+# as the streaming tile at M = 256 / 384, -4.8 / -5.1% (raw/bench_20261204T143751Z_stream_tile_n32_first_uniform.json).
+TALL_TILES = {"m128n8k256_coop": "m192n8k256_coop", "m128n32k256_coop": "m192n32k256_coop",
+              "m128n64k256_coop": "m192n64k256_coop"}
 TALL_STREAM_MIN_ROWS = 1.5
 # GEMM1's 96/128-token split parts run on 192 rows too (half-tile register sets, moe_gemm_mainloop.hpp
 # 10.): GEMM1 device time against 128 rows, each twice in one session (benchmarks/results/raw/
@@ -243,12 +253,6 @@ TALL_TILES_GEMM1 = {**TALL_TILES, "m128n96k128_coop": "m192n96k128_coop", "m128n
 # +1.0 / -6.7 / +0.4%; qwen3 (K = 768, six k tiles per tile, the staggered 128-row tile of moe_gemm_kernel.hpp item 6
 # against it) +4.7 / +5.0% and +5.2 / +5.7% at M = 4096 / 16384.
 TALL_GEMM2_MIN_K = 2048
-# The split plan's 32/64-token parts on 192 rows keep TileK 256 (half-tile register sets) where the GEMM's K is
-# a multiple of 256: against TileK 128, per-GEMM device time twice each in one session (benchmarks/results/raw/
-# profile_20261201T160[23]*Z_ridge_192rows_k*.json), GEMM1 / GEMM2: dsv3 M = 1024 -2.0 / -2.0%, dsv4-flash
-# -1.9 / -2.7% (M = 2048 -1.7 / -0.4%), qwen3 M = 256 -1.7 / -2.6%, the rest within 1%; gpt-oss (K = 2880, padded
-# to 3072 by TileK 256 and to 2944 by 128) +1.0 / +0.5% at M = 1024, so the rule asks for K % 256 == 0.
-TALL_TILES_K256 = {"m128n32k256_coop": "m192n32k256_coop", "m128n64k256_coop": "m192n64k256_coop"}
 BOTH_TALL, NO_TALL = (True, True), (False, False)
 # The 128-token part in clusters of two CTAs with token multicast (the _c2 configs, moe_gemm_mainloop.hpp
 # 11.) from this many rows per expert: per-GEMM device time against the same part without, three rounds
@@ -260,9 +264,8 @@ CLUSTER_TILES = {"m128n128k128_coop": "m128n128k128_coop_c2", "m192n128k128_coop
 CLUSTER_MIN_ROWS = 256
 
 
-# 192-row tile -> its 128-row twin: the inverse of the tables above (two 192-row tiles of one token width, TileK 128 and
-# 256, have one 128-row twin).
-SHORT_TILES = {t: s for table in (TALL_TILES, TALL_TILES_K256, TALL_TILES_GEMM1) for s, t in table.items()}
+# 192-row tile -> its 128-row twin: the inverse of the tables above.
+SHORT_TILES = {t: s for table in (TALL_TILES, TALL_TILES_GEMM1) for s, t in table.items()}
 
 
 def _mapped(config: str, table: dict, available=None) -> str:
@@ -279,20 +282,14 @@ def clustered(config: str, available=None) -> str:
 
 
 def tall(config: str, on: bool, available=None, K=None, gemm2_min_k=None) -> str:
-    """config, or when `on` its 192-row version that the library holds: TALL_TILES_K256's where K (the
-    GEMM's reduction length, if known) is a multiple of 256, else TALL_TILES's (GEMM1, and GEMM2 where K is
-    known and at least gemm2_min_k, default TALL_GEMM2_MIN_K: TALL_TILES_GEMM1's)."""
+    """config, or when `on` its 192-row version that the library holds: TALL_TILES_GEMM1's for GEMM1, and for
+    GEMM2 where K (its reduction length) is known and at least gemm2_min_k (default TALL_GEMM2_MIN_K), else
+    TALL_TILES's."""
     if not on:
         return config
     gemm2_min_k = TALL_GEMM2_MIN_K if gemm2_min_k is None else gemm2_min_k
     wide = config.startswith("moe_gemm1_") or (K is not None and K >= gemm2_min_k)
-    tables = ((TALL_TILES_K256,) if K is not None and K % 256 == 0 else ()) + (
-        TALL_TILES_GEMM1 if wide else TALL_TILES,)
-    for table in tables:
-        other = _mapped(config, table, available)
-        if other != config:
-            return other
-    return config
+    return _mapped(config, TALL_TILES_GEMM1 if wide else TALL_TILES, available)
 
 
 def short(config: str, available=None) -> str:
@@ -304,22 +301,22 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
          split_tiles=None, ks=None, tall_gemm2_min_k=None) -> Plan:
     """The GEMM launches of a call with `rows` (M * top_k) rows (available: the GEMM1 configs the
     library holds, as for pick_config; GEMM2's follow them): pick_config's one tile up to
-    SPLIT_MIN_ROWS rows per expert (streaming tiles; the 8/16-token ones on 192 rows from
-    TALL_STREAM_MIN_ROWS rows per expert) and for batch_invariant (whose bits must not depend on
+    SPLIT_MIN_ROWS rows per expert (streaming tiles, on 192 rows from TALL_STREAM_MIN_ROWS rows per
+    expert) and for batch_invariant (whose bits must not depend on
     which part a row lands in), split_plan's parts above, their tiles of up to 64 tokens on 192
     rows (TALL_TILES), GEMM1's larger ones too (TALL_TILES_GEMM1), and GEMM2's where ks gives its K
     as at least TALL_GEMM2_MIN_K. tall_tiles = (GEMM1, GEMM2)
     overrides which GEMM's tiles run on 192 rows (for A/B; not with batch_invariant); split_tiles
     overrides SPLIT_TILES (for A/B; its tiles run as named, no cluster added). ks = (GEMM1's K, GEMM2's K),
-    i.e. (hidden, intermediate) size, where known: 192-row tiles with TileK 256 where K allows
-    (TALL_TILES_K256), and the 128-token part for skewed routing where the experts are large
+    i.e. (hidden, intermediate) size, where known: GEMM2's 96/128-token parts on 192 rows
+    (TALL_GEMM2_MIN_K), and the 128-token part for skewed routing where the experts are large
     (SKEW_PART_MIN_WEIGHTS). From CLUSTER_MIN_ROWS rows per expert the 128-token part runs in clusters of two.
     tall_gemm2_min_k overrides TALL_GEMM2_MIN_K (for A/B)."""
     per_expert = rows / max(1, num_experts)
     if batch_invariant or per_expert <= SPLIT_MIN_ROWS:
         config = pick_config(1, rows, num_experts, available, batch_invariant)
         p = single(config)
-        rule = BOTH_TALL if tile_n(config) <= 16 and per_expert >= TALL_STREAM_MIN_ROWS else NO_TALL
+        rule = BOTH_TALL if per_expert >= TALL_STREAM_MIN_ROWS else NO_TALL
     else:
         tiles = split_tiles
         if tiles is None and available is not None and f"moe_gemm1_{WIDE_TILE}" not in available:

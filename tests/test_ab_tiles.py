@@ -42,8 +42,8 @@ def test_plan_variants_force_the_192_row_tiles_per_gemm():
     name, forced, picked = candidate("plan-t01", 1024, 4, 128)
     assert not picked and name == "plan-t01:plan:n64/n64t+n32/n32t"
     assert [(c1, c2) for c1, c2, _, _ in forced.parts] == [
-        ("moe_gemm1_m128n64k256_coop", "moe_gemm2_m192n64k128_coop"),
-        ("moe_gemm1_m128n32k256_coop", "moe_gemm2_m192n32k128_coop")]
+        ("moe_gemm1_m128n64k256_coop", "moe_gemm2_m192n64k256_coop"),
+        ("moe_gemm1_m128n32k256_coop", "moe_gemm2_m192n32k256_coop")]
 
 
 def test_exact_candidates_run_the_tiles_they_name():
@@ -62,7 +62,7 @@ def test_split_candidates_combine_the_token_tiles_they_name():
     name, forced, _ = candidate("split-128c2+96+64+32", 4096, 4, 128)   # gpt-oss: 128 +- 34 rows
     assert forced.parts[0][:2] == ("moe_gemm1_m192n128k128_coop_c2", "moe_gemm2_m128n128k128_coop_c2")
     name, forced, picked = candidate("split-128+64+32+16", 1024, 6, 256)   # dsv4-flash: 24 +- 15 rows
-    assert name == "split-128+64+32+16:plan:n64t+n32t+n16t" and not picked
+    assert name == "split-128+64+32+16:plan:n64t+n32t+n16" and not picked   # no 192-row 16-token twin
     chunk = forced.chunk
     windows = [(lo, hi) for _, _, lo, hi in forced.parts]
     assert chunk == 64 and windows == [(32, 64), (16, 32), (0, 16)]

@@ -64,7 +64,7 @@ def test_cpu_tensors_are_refused(experts):
 
 
 @pytest.mark.parametrize("rows_per_expert, tile", [
-    (1, "n8k256"), (4, "n8k256"), (8, "n16k256"), (12, "n16k256"), (16, "n32k256"), (24, "n32k256"),
+    (1, "n8k256"), (4, "n8k256"), (5, "n32k256"), (8, "n32k256"), (12, "n32k256"), (24, "n32k256"),
     (32, "n64k256"), (48, "n64k256"), (64, "n128k128"), (512, "n128k128"),
 ])
 def test_gemm_tile_follows_rows_per_expert(rows_per_expert, tile):
@@ -213,7 +213,7 @@ def test_short_is_the_inverse_of_tall_and_tuned_plans_use_it():
     plan with GEMM2's tiles on 128 rows and GEMM1's as the rule has them; two configs are one launch each."""
     from moe_cutlass import _gemm
 
-    for table in (_gemm.TALL_TILES, _gemm.TALL_TILES_K256, _gemm.TALL_TILES_GEMM1):
+    for table in (_gemm.TALL_TILES, _gemm.TALL_TILES_GEMM1):
         for s, t in table.items():
             assert _gemm.short(f"moe_gemm2_{t}") == f"moe_gemm2_{s}"
     assert _gemm.short("moe_gemm2_m128n64k256_coop") == "moe_gemm2_m128n64k256_coop"
@@ -232,20 +232,16 @@ def test_short_is_the_inverse_of_tall_and_tuned_plans_use_it():
     assert _gemm.tuned_plan(pair, 1000, 8) == _gemm.single(*pair)
 
 
-def test_ridge_parts_keep_tilek_256_on_192_rows_where_k_allows():
+def test_ridge_parts_run_tilek_256_on_192_rows_at_any_k():
     from moe_cutlass import _gemm
 
     def tiles(ks, available=None):   # dsv3 M = 1024: 64 + 32 (after the skew part's 128, where ks names large experts)
         return [(c1[len("moe_gemm1_"):], c2[len("moe_gemm2_"):])
                 for c1, c2, _, _ in _gemm.plan(1024 * 8, 256, available, ks=ks).parts if _gemm.tile_n(c1) < 128]
 
-    assert tiles((7168, 2048)) == [("m192n64k256_coop",) * 2, ("m192n32k256_coop",) * 2]
-    assert tiles(None) == tiles((2880, 2880)) == [("m192n64k128_coop",) * 2, ("m192n32k128_coop",) * 2]
-    # per GEMM: GEMM1's K = hidden, GEMM2's K = intermediate
-    assert tiles((2880, 2048)) == [("m192n64k128_coop", "m192n64k256_coop"), ("m192n32k128_coop", "m192n32k256_coop")]
-    # a library without the TileK 256 versions falls back to TileK 128 on 192 rows, then to 128 rows
-    no_k256 = [f"moe_gemm1_{t}" for t in (*_gemm.SPLIT_TILES, *_gemm.TALL_TILES.values())]
-    assert tiles((7168, 2048), no_k256) == tiles(None)
+    assert tiles((7168, 2048)) == tiles(None) == tiles((2880, 2880)) == [("m192n64k256_coop",) * 2,
+                                                                          ("m192n32k256_coop",) * 2]
+    # a library without the 192-row versions falls back to 128 rows
     assert tiles((7168, 2048), [f"moe_gemm1_{t}" for t in _gemm.SPLIT_TILES]) == [
         ("m128n64k256_coop",) * 2, ("m128n32k256_coop",) * 2]
     # GEMM2's 96/128-token parts run on 192 rows where its K is long (TALL_GEMM2_MIN_K), not at qwen3's 768;
@@ -268,20 +264,21 @@ def test_split_parts_run_on_192_rows_where_the_library_holds_them():
     assert [(c1[len("moe_gemm1_"):], c2[len("moe_gemm2_"):]) for c1, c2, _, _ in parts] == [
         ("m128n160k128_coop",) * 2,
         ("m192n128k128_coop", "m128n128k128_coop"), ("m192n96k128_coop", "m128n96k128_coop"),
-        ("m192n64k128_coop",) * 2, ("m192n32k128_coop",) * 2]
+        ("m192n64k256_coop",) * 2, ("m192n32k256_coop",) * 2]
     assert [p[2:] for p in parts] == [p[2:] for p in _gemm.split_plan(4096 * 4, 128).parts]
     no_wide = [f"moe_gemm1_{t}" for t in (*_gemm.SPLIT_TILES, *_gemm.TALL_TILES.values())]
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(4096 * 4, 128, available=no_wide).parts if "_m192" in p[0]] == [64, 32]
     every = [f"moe_gemm1_{t}" for t in _gemm.SPLIT_TILES]   # a build without the 192-row tiles
     assert all("_m128" in c for part in _gemm.plan(4096 * 4, 128, available=every).parts for c in part[:2])
-    # the 8/16-token tiles run on 192 rows from 1.5 rows per expert;
+    # the streaming 8/32-token tiles run on 192 rows from 1.5 rows per expert, the 32-token one on TileK 256 at any K;
     # an explicit tall_tiles overrides the rule both ways
     assert _gemm.plan(64 * 4, 128) == _gemm.single("moe_gemm1_m192n8k256_coop")          # 2 rows per expert
     assert _gemm.plan(32 * 4, 128) == _gemm.single("moe_gemm1_m128n8k256_coop")          # 1
     assert _gemm.plan(64 * 4, 128, available=every + ["moe_gemm1_m128n8k256_coop"]) == _gemm.single(
         "moe_gemm1_m128n8k256_coop")
-    assert _gemm.plan(256 * 4, 128) == _gemm.single("moe_gemm1_m192n16k128_coop")        # 8
-    assert _gemm.plan(256 * 4, 128, tall_tiles=_gemm.NO_TALL) == _gemm.single("moe_gemm1_m128n16k256_coop")
+    assert _gemm.plan(256 * 4, 128) == _gemm.single("moe_gemm1_m192n32k256_coop")        # 8
+    assert _gemm.plan(256 * 4, 128, ks=(2880, 2880)) == _gemm.plan(256 * 4, 128)
+    assert _gemm.plan(256 * 4, 128, tall_tiles=_gemm.NO_TALL) == _gemm.single("moe_gemm1_m128n32k256_coop")
     assert _gemm.plan(64 * 4, 128, tall_tiles=_gemm.NO_TALL) == _gemm.single("moe_gemm1_m128n8k256_coop")
     assert _gemm.plan(32 * 4, 128, tall_tiles=_gemm.BOTH_TALL) == _gemm.single("moe_gemm1_m192n8k256_coop")
     assert all("_m128" in c for part in _gemm.plan(4096 * 4, 128, tall_tiles=_gemm.NO_TALL).parts for c in part[:2])
