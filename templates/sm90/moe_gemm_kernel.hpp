@@ -664,12 +664,8 @@ public:
 
     if (not work_tile_info.is_valid()) {
       // When problem shapes are only on device, the grid launched may be larger than the total number of blocks across groups
-      // (not upstream, item 5) A launch with no tile at all lets the next kernel start at once, and
-      // still completes after its predecessor: its first CTA triggers, then waits (pdl.cuh).
-      if (tokens_wait && blockIdx.x == 0 && blockIdx.y == 0) {
-        moe_cutlass::pdl::launch_dependents();
-        moe_cutlass::pdl::wait();
-      }
+      // (not upstream) A launch with no tile at all still completes after its predecessor (pdl.cuh).
+      if (tokens_wait && blockIdx.x == 0 && blockIdx.y == 0) moe_cutlass::pdl::wait();
       return;
     }
 
