@@ -49,7 +49,10 @@ def pick_config(kind: int, rows: int, num_experts: int, available=None, batch_in
     per expert (benchmarks/results/raw/bench_20261204T1439*Z_stream_tile_n32_sweep_*.json, and
     bench_20261204T1440*Z_...): uniform -0.4..-20.8% (gpt-oss M = 192 +0.4%), Zipf -6.9..-25.6%,
     Dirichlet -9.2..-31.4%; seven more models' shapes (raw/bench_20261204T1442*Z_models_stream_tile_n32_*.json)
-    uniform -0.6..-15.1%, Zipf -1.0..-23.5%. At 4 rows per expert and below it loses under uniform
+    uniform -0.6..-15.1%, Zipf -1.0..-23.5%. Timed as the peer benchmark times (100 back-to-back replays a
+    round, the board at its power cap; raw/bench_20261204T15*Z_stream_tile_n32_sustained_*.json, two runs
+    uniform): Zipf -5.0..-17.4%, Dirichlet -12.3..-23.2%, uniform -0.7..-9.6% but dsv3 at 6 / 8 rows per
+    expert, +0.1 / +1.3% and +5.8 / +3.7%. At 4 rows per expert and below it loses under uniform
     routing (+1.5..+5.3%; -3..-30% under skew), so the 8-token tile stays there. The real per-expert
     counts live on the device only.
 

@@ -67,7 +67,8 @@
 // (worse at M = 1024, where N = 4096 / 7168 leave a partial 192-row tile per expert and K = 7168).
 // Per GEMM (device times, each variant twice in one session: profile_20261201T0448{06,17,27,37}Z):
 // the split plan's 32/64-token parts gain up to 8% on 192 rows, the streaming 8/16-token tiles lose
-// 2-12%; the built-in rule (moe_cutlass/_gemm.py plan, TALL_TILES) takes them for the split parts.
+// 2-12%; the built-in rule (moe_cutlass/_gemm.py plan, TALL_TILES) takes them for the split parts (and,
+// since the GMMAs run over the tile's tokens, for the streaming 8- and 32-token tiles).
 #pragma once
 
 #include "cutlass/cutlass.h"

@@ -82,7 +82,8 @@
 //     GEMM2 -2.2..+3.0%, so only GEMM1 takes them (_gemm.TALL_TILES_GEMM1). 192x32x256 and 192x64x256
 //     against their TileK 128 versions in the split plan's ridge parts, per GEMM (NOTES.md (15)):
 //     -1.7..-2.7% at dsv3 / dsv4-flash M = 1024 and qwen3 M = 256, +0.5..+1.0% at gpt-oss, whose
-//     K = 2880 pads to 3072: they run where K % 256 == 0 (_gemm.TALL_TILES_K256).
+//     K = 2880 pads to 3072. With the GMMAs over the tile's tokens (12.) gpt-oss gains too (its split
+//     plans -0.8..-8.9% at M = 512-2048, NOTES.md 2026-12-04 (41)): they run at any K (_gemm.TALL_TILES).
 // 11. Clusters of ClusterM CTAs along the weight rows (the _c2 configs): the grouped scheduler gives
 //     a cluster's CTAs consecutive weight-row tiles of one token tile (an expert's weight-row tiles
 //     rounded up to the cluster; the extra tile's weights are zero-filled by TMA and not stored), and
@@ -248,7 +249,8 @@ struct Mxfp4MoeMainloop {
   // unless a smaller part was left out of the plan (_gemm.split_plan): four widths cover the part's
   // upper half (33..64 tokens of a 64-token tile in 40, 48, 56, 64) and every width of the 32-token
   // tile, the smallest part. The 128-row tiles (two consumer warpgroups) got C7520 with four copies;
-  // their 16-token tile (the one launch at 4-12 rows per expert) takes two, and the 160-token tile two
+  // their 16-token tile (an autotune candidate: _gemm.pick_config streams 4-12 rows per expert on the
+  // 192-row 32-token tile now) takes two, and the 160-token tile two
   // 16 apart, 144 and 160 (its part holds 129-160 tokens; four widths 136-160 got C7520 here too).
 #ifdef MC_PROBE_NO_MMA
   static constexpr int kTokenWidths = 1;   // the probe's sink lives in the TileN-wide loops
