@@ -43,7 +43,7 @@ ARCH_FLAGS = {
 # 192-row tiles: three consumer warpgroups (templates/sm90/moe_gemm_kernel.hpp), TileK 128 (152
 # registers per consumer thread); the split plan's 32/64-token parts (moe_cutlass/_gemm.py TALL_TILES).
 # 192x8x256: the 8-token tile with TileK 256 on three consumer warpgroups, its A register sets holding
-# half a k tile each (moe_gemm_mainloop.hpp, 10.); _gemm.plan takes it from 1.5 rows per expert.
+# half a k tile each (moe_gemm_mainloop.hpp, 10.); _gemm.plan streams every call of up to 4 rows per expert on it.
 # 192x16x256 measured a tie with 128x16x256 (M = 256, all four shapes) and is not built.
 # 192x96x128 / 192x128x128 (half-tile register sets too): GEMM1's prefill parts (_gemm.TALL_TILES_GEMM1).
 # 128x48x256 / 192x48x128 (a 48-token split part) measured no gain twice and are not built

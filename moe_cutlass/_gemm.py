@@ -229,7 +229,13 @@ def split_plan(rows: int, num_experts: int, tiles=None, expert_weights=None) -> 
 # from 1.5 rows per expert on -1.2..-3.6% on all four shapes (M = 32 qwen3, M = 64 all, M = 128
 # gpt-oss / dsv4-flash; dsv3 M = 128 +2.8 / -0.1%), below it -3.5..+4.2% (dsv4-flash +3.8..+4.2% at
 # M = 8-16, dsv3 -2.9..-3.5%): fewer, longer tiles leave more of the last wave idle when few
-# experts are active. So plan() takes it from TALL_STREAM_MIN_ROWS rows per expert. The 32-token tile, streaming
+# experts are active, so plan() took it from 1.5 rows per expert. Since the kernels' every GMMA goes through
+# mc_token_gmmas (moe_gemm_mainloop.hpp item 13) it wins below that too: the layer on m192n8k256 against the rule's
+# m128n8k256 on the four-launch path, 500 reps in five interleaved rounds (timed as the peer benchmark times;
+# benchmarks/results/raw/bench_20261204T152*Z_stream_tile_n8_tall_*.json), M = 2-32 (0.06-1 rows per expert): uniform
+# qwen3 M = 8 / 16 0.0 / -2.5%, gpt-oss M = 8 / 16 / 32 -1.6 / -9.1 / -11.1%, dsv4-flash M = 3-32 -3.7..-11.7%, dsv3
+# M = 2-32 -3.7..-8.8%; Zipf -0.5..-10.2% (qwen3 and gpt-oss up to M = 4 run the one launch, where no plan applies).
+# So every streaming call runs on 192 rows. The 32-token tile, streaming
 # from 4 to 12 rows per expert (pick_config) or a split part, and the 64-token part keep TileK 256 on 192 rows too
 # (half-tile register sets). Measured first (2026-12-01 (15)) at M = 1024 against TileK 128: dsv3 -2.0 / -2.0%,
 # dsv4-flash -1.9 / -2.7%, qwen3 M = 256 -1.7 / -2.6%, gpt-oss (K = 2880, padded to 3072 by TileK 256 and to 2944
@@ -240,7 +246,6 @@ def split_plan(rows: int, num_experts: int, tiles=None, expert_weights=None) -> 
 # as the streaming tile at M = 256 / 384, -4.8 / -5.1% (raw/bench_20261204T143751Z_stream_tile_n32_first_uniform.json).
 TALL_TILES = {"m128n8k256_coop": "m192n8k256_coop", "m128n32k256_coop": "m192n32k256_coop",
               "m128n64k256_coop": "m192n64k256_coop"}
-TALL_STREAM_MIN_ROWS = 1.5
 # GEMM1's 96/128-token split parts run on 192 rows too (half-tile register sets, moe_gemm_mainloop.hpp
 # 10.): GEMM1 device time against 128 rows, each twice in one session (benchmarks/results/raw/
 # profile_20261201T1538*Z_prefill_*rows.json), M = 2048 / 4096 / 16384: qwen3 -5.8 / -3.7 / -7.5%
@@ -304,8 +309,7 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
          split_tiles=None, ks=None, tall_gemm2_min_k=None) -> Plan:
     """The GEMM launches of a call with `rows` (M * top_k) rows (available: the GEMM1 configs the
     library holds, as for pick_config; GEMM2's follow them): pick_config's one tile up to
-    SPLIT_MIN_ROWS rows per expert (streaming tiles, on 192 rows from TALL_STREAM_MIN_ROWS rows per
-    expert) and for batch_invariant (whose bits must not depend on
+    SPLIT_MIN_ROWS rows per expert (streaming tiles, on 192 rows) and for batch_invariant (whose bits must not depend on
     which part a row lands in), split_plan's parts above, their tiles of up to 64 tokens on 192
     rows (TALL_TILES), GEMM1's larger ones too (TALL_TILES_GEMM1), and GEMM2's where ks gives its K
     as at least TALL_GEMM2_MIN_K. tall_tiles = (GEMM1, GEMM2)
@@ -319,7 +323,7 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
     if batch_invariant or per_expert <= SPLIT_MIN_ROWS:
         config = pick_config(1, rows, num_experts, available, batch_invariant)
         p = single(config)
-        rule = BOTH_TALL if per_expert >= TALL_STREAM_MIN_ROWS else NO_TALL
+        rule = BOTH_TALL
     else:
         tiles = split_tiles
         if tiles is None and available is not None and f"moe_gemm1_{WIDE_TILE}" not in available:

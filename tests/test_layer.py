@@ -270,10 +270,10 @@ def test_split_parts_run_on_192_rows_where_the_library_holds_them():
     assert [_gemm.tile_n(p[0]) for p in _gemm.plan(4096 * 4, 128, available=no_wide).parts if "_m192" in p[0]] == [64, 32]
     every = [f"moe_gemm1_{t}" for t in _gemm.SPLIT_TILES]   # a build without the 192-row tiles
     assert all("_m128" in c for part in _gemm.plan(4096 * 4, 128, available=every).parts for c in part[:2])
-    # the streaming 8/32-token tiles run on 192 rows from 1.5 rows per expert, the 32-token one on TileK 256 at any K;
+    # the streaming 8/32-token tiles run on 192 rows, the 32-token one on TileK 256 at any K;
     # an explicit tall_tiles overrides the rule both ways
     assert _gemm.plan(64 * 4, 128) == _gemm.single("moe_gemm1_m192n8k256_coop")          # 2 rows per expert
-    assert _gemm.plan(32 * 4, 128) == _gemm.single("moe_gemm1_m128n8k256_coop")          # 1
+    assert _gemm.plan(2 * 8, 256) == _gemm.single("moe_gemm1_m192n8k256_coop")           # 1/16
     assert _gemm.plan(64 * 4, 128, available=every + ["moe_gemm1_m128n8k256_coop"]) == _gemm.single(
         "moe_gemm1_m128n8k256_coop")
     assert _gemm.plan(256 * 4, 128) == _gemm.single("moe_gemm1_m192n32k256_coop")        # 8
