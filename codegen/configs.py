@@ -41,14 +41,15 @@ ARCH_FLAGS = {
 # pingpong 10-50% slower than 128x128x128 cooperative (even at qwen3's K = 768), 128x128x64
 # 1-13% slower (gpt-oss's K = 2880 pads to 2944 with TileK 128, but the extra k iterations cost more).
 # 192-row tiles: three consumer warpgroups (templates/sm90/moe_gemm_kernel.hpp), TileK 128 (152
-# registers per consumer thread); the split plan's 32/64-token parts (moe_cutlass/_gemm.py TALL_TILES).
+# registers per consumer thread): autotune candidates since the TileK 256 versions below took their place in the
+# rule (moe_cutlass/_gemm.py TALL_TILES; benchmarks/NOTES.md 2026-12-04 (41)), as are the 16-token tiles.
 # 192x8x256: the 8-token tile with TileK 256 on three consumer warpgroups, its A register sets holding
 # half a k tile each (moe_gemm_mainloop.hpp, 10.); _gemm.plan streams every call of up to 4 rows per expert on it.
 # 192x16x256 measured a tie with 128x16x256 (M = 256, all four shapes) and is not built.
 # 192x96x128 / 192x128x128 (half-tile register sets too): GEMM1's prefill parts (_gemm.TALL_TILES_GEMM1).
 # 128x48x256 / 192x48x128 (a 48-token split part) measured no gain twice and are not built
 # (benchmarks/NOTES.md 2026-12-01 (11) and (15)). 192x32x256 / 192x64x256 (half sets): the split plan's 32/64-token
-# parts where K is a multiple of 256 (_gemm.TALL_TILES_K256; gpt-oss's K = 2880 would pad to 3072).
+# parts at any K (gpt-oss's K = 2880 pads to 3072 and still gains), and the 32-token one streams 4-12 rows per expert.
 # A/B'd and dropped (benchmarks/results/raw/profile_20261201T0543*Z_libe_*coop2.json): 128x8x128 and
 # 128x16x128 with two CTAs per SM (four consumer warps per scheduler, 104 registers each) against
 # 128x8x256 / 128x16x256: gpt-oss M = 4 GEMM1 -15%, M = 64 -4%, but M = 16 +6%, dsv3 +10..+18%,
