@@ -272,8 +272,8 @@ CLUSTER_TILES = {"m128n128k128_coop": "m128n128k128_coop_c2", "m192n128k128_coop
 CLUSTER_MIN_ROWS = 256
 
 
-# 192-row tile -> its 128-row twin: the inverse of the tables above.
-SHORT_TILES = {t: s for table in (TALL_TILES, TALL_TILES_GEMM1) for s, t in table.items()}
+# 192-row tile -> its 128-row twin: the inverse of TALL_TILES_GEMM1 (which holds TALL_TILES).
+SHORT_TILES = {t: s for s, t in TALL_TILES_GEMM1.items()}
 
 
 def _mapped(config: str, table: dict, available=None) -> str:
@@ -320,15 +320,14 @@ def plan(rows: int, num_experts: int, available=None, batch_invariant=False, tal
     (SKEW_PART_MIN_WEIGHTS). From CLUSTER_MIN_ROWS rows per expert the 128-token part runs in clusters of two.
     tall_gemm2_min_k overrides TALL_GEMM2_MIN_K (for A/B)."""
     per_expert = rows / max(1, num_experts)
+    rule = BOTH_TALL
     if batch_invariant or per_expert <= SPLIT_MIN_ROWS:
-        config = pick_config(1, rows, num_experts, available, batch_invariant)
-        p = single(config)
-        rule = BOTH_TALL
+        p = single(pick_config(1, rows, num_experts, available, batch_invariant))
     else:
         tiles = split_tiles
         if tiles is None and available is not None and f"moe_gemm1_{WIDE_TILE}" not in available:
             tiles = SPLIT_TILES   # a library built before the 160-token tile
-        p, rule = split_plan(rows, num_experts, tiles, None if ks is None else ks[0] * ks[1]), BOTH_TALL
+        p = split_plan(rows, num_experts, tiles, None if ks is None else ks[0] * ks[1])
         if available is not None and not all(part[0] in available for part in p.parts):
             p, rule = single(pick_config(1, rows, num_experts, available, batch_invariant)), NO_TALL
     if batch_invariant:
