@@ -52,8 +52,10 @@ def pick_config(kind: int, rows: int, num_experts: int, available=None, batch_in
     uniform -0.6..-15.1%, Zipf -1.0..-23.5%. Timed as the peer benchmark times (100 back-to-back replays a
     round, the board at its power cap; raw/bench_20261204T15*Z_stream_tile_n32_sustained_*.json, two runs
     uniform): Zipf -5.0..-17.4%, Dirichlet -12.3..-23.2%, uniform -0.7..-9.6% but dsv3 at 6 / 8 rows per
-    expert, +0.1 / +1.3% and +5.8 / +3.7%. At 4 rows per expert and below it loses under uniform
-    routing (+1.5..+5.3%; -3..-30% under skew), so the 8-token tile stays there. The real per-expert
+    expert, +0.1 / +1.3% and +5.8 / +3.7% (rechecked on another machine: -2.3 / +0.7%,
+    raw/bench_20261204T1559*Z_stream_tile_recheck_*.json). At 4 rows per expert and below it loses under
+    uniform routing (+1.5..+10.4%; -1.4..-10.9% under Zipf, raw/bench_20261204T16*Z_stream_tile_low_rows_*.json;
+    the 16-token tile is no middle ground), so the 8-token tile stays there. The real per-expert
     counts live on the device only.
 
     batch_invariant: only tiles that sum a token's products in one order. A tile's order depends
