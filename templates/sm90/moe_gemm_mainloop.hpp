@@ -76,7 +76,7 @@
 //     192x8x256 against 128x8x256, layer kernel time (profile_stages --tile, two rounds;
 //     benchmarks/NOTES.md 2026-12-01 (14)): -1.2..-3.6% from 1.5 rows per expert on (M = 64: qwen3
 //     -3.6%, gpt-oss -2.6%, dsv4-flash -2.8%, dsv3 -2.1%), mixed below; since item 13, 0.0..-11.7% below too
-//     (NOTES.md 2026-12-04 (41)): _gemm.plan streams on it at any rows per expert.
+//     (NOTES.md 2026-12-04 (41)): _gemm.plan streams every call of up to 4 rows per expert on it.
 //     192x96x128 and 192x128x128 against 128 rows in the split plan's prefill parts, GEMM1 device
 //     time, each twice in one session (NOTES.md 2026-12-01 (15)), M = 2048-16384: qwen3 -3.7..-7.5%,
 //     gpt-oss -2.4..-7.9%, dsv4-flash -5.2% at M = 4096 and within 1% elsewhere, dsv3 -1.8..-2.6%;
