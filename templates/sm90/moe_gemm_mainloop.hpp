@@ -323,9 +323,17 @@ struct Mxfp4MoeMainloop {
 #else
   static constexpr bool kProbeNoTokens = kProbeNoLoads;
 #endif
+  // The 32-token tiles load only their tile's 8-row token chunks (item 15); each k tile's barrier is
+  // told the token bytes when they are known, per tile.
+#ifdef MC_PROBE_TOKEN_BOX_ONE   // development probe only: one 8-row box for tiles of up to 8 tokens, else the whole box
+  static constexpr int kTokenBoxMaxChunks = 1;
+#else
+  static constexpr int kTokenBoxMaxChunks = TileN / 8 - 1;
+#endif
+  static constexpr bool kTokenBoxByWidth = TileN == 32 && ClusterM == 1;
   // what a stage's barrier expects; the stage count stays TmaTransactionBytes' (moe_gemm_launch.hpp)
   static constexpr uint32_t TmaExpectBytes =
-      kProbeNoLoads ? 0 : TmaTransactionBytes - (kProbeNoTokens ? TmaBytesB : 0);
+      kProbeNoLoads ? 0 : TmaTransactionBytes - (kProbeNoTokens || kTokenBoxByWidth ? TmaBytesB : 0);
   static_assert(TmaBytesS % 128 == 0, "scale stage must be a multiple of 128 bytes");
 
   struct SharedStorage {
@@ -512,9 +520,25 @@ struct Mxfp4MoeMainloop {
     constexpr auto kWeightHint = TileN >= 16 && TileN <= 96 ? TMA::CacheHintSm90::EVICT_FIRST
                                                             : TMA::CacheHintSm90::EVICT_NORMAL;
     uint16_t const mcast_mask = kTokenMcastMask;   // with() takes it by reference
+    // item 15: the 8-row chunks holding the tile's tokens, the whole box past kTokenBoxMaxChunks of them
+    int const token_chunks = cute::min(int(TileN / 8), (cute::max(int(row_end - b_row), 1) + 7) / 8);
+    bool const token_box = !kTokenBoxByWidth || token_chunks > kTokenBoxMaxChunks;
+    uint32_t const token_bytes = token_box ? TmaBytesB : uint32_t(token_chunks) * (TmaBytesB / (TileN / 8));
+    // (before the stage's first load: the barrier must not complete on the weights alone)
+    auto expect_tokens = [&](BarrierType* tma_barrier) {
+      if constexpr (kTokenBoxByWidth && !kProbeNoTokens) {
+        cutlass::arch::ClusterTransactionBarrier::expect_transaction(tma_barrier, token_bytes);
+      }
+    };
     auto load_tokens = [&](int kt, int write_stage, BarrierType* tma_barrier) {
       if constexpr (kProbeNoTokens) return;
-      if (!b_partial) {
+      if (kTokenBoxByWidth && !token_box) {
+        for (int j = 0; j < token_chunks; ++j) {
+          Tensor gBj = local_tile(domain_offset(make_coord(b_row + 8 * j, 0), mAct), Shape<_8, Int<TileK>>{}, make_coord(0, kt));
+          Tensor sBj = local_tile(sB(_, _, write_stage), Shape<_8, Int<TileK>>{}, make_coord(j, 0));
+          copy(p.tma_load_b8.with(*tma_barrier), block_tma_b8.partition_S(gBj), block_tma_b8.partition_D(sBj));
+        }
+      } else if (!b_partial) {
         copy(p.tma_load_b.with(*tma_barrier, mcast_mask), tBgB(_, _, _, kt), tBsB(_, _, _, write_stage));
       } else {
         CUTLASS_PRAGMA_UNROLL
@@ -540,6 +564,7 @@ struct Mxfp4MoeMainloop {
         pipeline.producer_acquire(write);
         if (!kProbeNoLoads && cute::elect_one_sync()) {
           BarrierType* tma_barrier = pipeline.producer_get_barrier(write);
+          expect_tokens(tma_barrier);
           copy(p.tma_load_a.with(*tma_barrier, 0, kWeightHint), tAgA(_, _, _, _, *kit), tAsA(_, _, _, _, write.index()));
           copy(p.tma_load_scale.with(*tma_barrier, 0, kWeightHint), tSgS(_, _, _, _, *kit), tSsS(_, _, _, _, write.index()));
         }
@@ -561,6 +586,7 @@ struct Mxfp4MoeMainloop {
       int write_stage = smem_pipe_write.index();
       if (!kProbeNoLoads && cute::elect_one_sync()) {
         int kt = *k_tile_iter;
+        expect_tokens(tma_barrier);
         copy(p.tma_load_a.with(*tma_barrier, 0, kWeightHint), tAgA(_, _, _, _, kt), tAsA(_, _, _, _, write_stage));
         load_tokens(kt, write_stage, tma_barrier);
         copy(p.tma_load_scale.with(*tma_barrier, 0, kWeightHint), tSgS(_, _, _, _, kt), tSsS(_, _, _, _, write_stage));
