@@ -130,6 +130,18 @@
 //     M = 1024 -1.8 / -1.9%, gpt-oss M = 256-1024 -0.5..-1.0%, the other points within the rounds'
 //     spread. On every tile it cost M = 16384 +1.2..+4.7% (where a weight tile serves up to four token
 //     tiles), so the 8-token and 128/160-token tiles keep evict-normal.
+// 15. The 32-token tiles load only the 8-row token chunks that hold the tile's tokens (one box of 8 rows
+//     each, through the partial tiles' 8-row descriptor), and each stage's barrier expects the weights
+//     and scales, plus those chunks' bytes, told per tile before the stage's first load (upstream: one
+//     box of TileN rows, a fixed transaction count). Where an expert's last tile holds 8 tokens the
+//     tile read 32 rows of tokens from L2 for 8; the rows past the chunks keep an earlier tile's values,
+//     which only the GMMA columns past the tile's tokens read (no stored output depends on them). The
+//     streaming tile 192x32x256, layers on it at 2.7-16 rows per expert, three rounds of five interleaved
+//     (benchmarks/NOTES.md 2026-12-04 (44)): dsv4-flash / kimi-k2 -1.7..-3.0%, dsv3 -2.8% at M = 128 and
+//     -0.1..+0.1% at M = 256, gpt-oss-120b and qwen3-30b-a3b -0.4..+0.8% uniform; one 8-row box for at
+//     most 8 tokens and the whole box otherwise measured the same. The 8-row chunks as four TMA boxes,
+//     those past the tokens out of bounds (zero-filled without a read), were +1..+18% ((42)): four boxes
+//     a k tile cost more than the rows they spared; here a tile issues one box per chunk it holds.
 //
 // Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
 // decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
@@ -323,13 +335,8 @@ struct Mxfp4MoeMainloop {
 #else
   static constexpr bool kProbeNoTokens = kProbeNoLoads;
 #endif
-  // The 32-token tiles load only their tile's 8-row token chunks (item 15); each k tile's barrier is
-  // told the token bytes when they are known, per tile.
-#ifdef MC_PROBE_TOKEN_BOX_ONE   // development probe only: one 8-row box for tiles of up to 8 tokens, else the whole box
-  static constexpr int kTokenBoxMaxChunks = 1;
-#else
-  static constexpr int kTokenBoxMaxChunks = TileN / 8 - 1;
-#endif
+  // The 32-token tiles load only the 8-row token chunks that hold their tile's tokens (item 15); each
+  // k tile's barrier is told those bytes per tile.
   static constexpr bool kTokenBoxByWidth = TileN == 32 && ClusterM == 1;
   // what a stage's barrier expects; the stage count stays TmaTransactionBytes' (moe_gemm_launch.hpp)
   static constexpr uint32_t TmaExpectBytes =
@@ -520,9 +527,9 @@ struct Mxfp4MoeMainloop {
     constexpr auto kWeightHint = TileN >= 16 && TileN <= 96 ? TMA::CacheHintSm90::EVICT_FIRST
                                                             : TMA::CacheHintSm90::EVICT_NORMAL;
     uint16_t const mcast_mask = kTokenMcastMask;   // with() takes it by reference
-    // item 15: the 8-row chunks holding the tile's tokens, the whole box past kTokenBoxMaxChunks of them
+    // item 15: the 8-row chunks holding the tile's tokens, or the one box where they are all of it
     int const token_chunks = cute::min(int(TileN / 8), (cute::max(int(row_end - b_row), 1) + 7) / 8);
-    bool const token_box = !kTokenBoxByWidth || token_chunks > kTokenBoxMaxChunks;
+    bool const token_box = !kTokenBoxByWidth || token_chunks == TileN / 8;
     uint32_t const token_bytes = token_box ? TmaBytesB : uint32_t(token_chunks) * (TmaBytesB / (TileN / 8));
     // (before the stage's first load: the barrier must not complete on the weights alone)
     auto expect_tokens = [&](BarrierType* tma_barrier) {
