@@ -539,13 +539,17 @@ struct Mxfp4MoeMainloop {
     };
     auto load_tokens = [&](int kt, int write_stage, BarrierType* tma_barrier) {
       if constexpr (kProbeNoTokens) return;
-      if (kTokenBoxByWidth && !token_box) {
-        for (int j = 0; j < token_chunks; ++j) {
-          Tensor gBj = local_tile(domain_offset(make_coord(b_row + 8 * j, 0), mAct), Shape<_8, Int<TileK>>{}, make_coord(0, kt));
-          Tensor sBj = local_tile(sB(_, _, write_stage), Shape<_8, Int<TileK>>{}, make_coord(j, 0));
-          copy(p.tma_load_b8.with(*tma_barrier), block_tma_b8.partition_S(gBj), block_tma_b8.partition_D(sBj));
+      if constexpr (kTokenBoxByWidth) {
+        if (!token_box) {
+          for (int j = 0; j < token_chunks; ++j) {
+            Tensor gBj = local_tile(domain_offset(make_coord(b_row + 8 * j, 0), mAct), Shape<_8, Int<TileK>>{}, make_coord(0, kt));
+            Tensor sBj = local_tile(sB(_, _, write_stage), Shape<_8, Int<TileK>>{}, make_coord(j, 0));
+            copy(p.tma_load_b8.with(*tma_barrier), block_tma_b8.partition_S(gBj), block_tma_b8.partition_D(sBj));
+          }
+          return;
         }
-      } else if (!b_partial) {
+      }
+      if (!b_partial) {
         copy(p.tma_load_b.with(*tma_barrier, mcast_mask), tBgB(_, _, _, kt), tBsB(_, _, _, write_stage));
       } else {
         CUTLASS_PRAGMA_UNROLL
