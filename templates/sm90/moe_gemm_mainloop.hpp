@@ -141,7 +141,8 @@
 //     -0.1..+0.1% at M = 256, gpt-oss-120b and qwen3-30b-a3b -0.4..+0.8% uniform; one 8-row box for at
 //     most 8 tokens and the whole box otherwise measured the same. The rule's plans, two rounds against the
 //     library before: M = 256 -2.5..+1.0% (dsv3 -2.0 / -2.5% uniform / Zipf, dsv4-flash -1.8 / -1.3%,
-//     gpt-oss -1.2 / -0.4%, qwen3 +1.0 / +0.0%), M = 512-1024 -2.3..+2.0%. The 8-row chunks as four TMA boxes,
+//     gpt-oss -1.2 / -0.4%, qwen3 +1.0 / +0.0%), M = 512-1024 -2.3..+2.8% (gpt-oss M = 1024 +2.0 / +2.8%
+//     uniform / Dirichlet: its split plan's 32-token part, remainders of 1-32 rows over 12 k tiles). The 8-row chunks as four TMA boxes,
 //     those past the tokens out of bounds (zero-filled without a read), were +1..+18% ((42)): four boxes
 //     a k tile cost more than the rows they spared; here a tile issues one box per chunk it holds.
 //
