@@ -338,8 +338,8 @@ struct Mxfp4MoeMainloop {
 #else
   static constexpr bool kProbeNoTokens = kProbeNoLoads;
 #endif
-  // The 32-token tiles load only the 8-row token chunks that hold their tile's tokens (item 15); each
-  // k tile's barrier is told those bytes per tile.
+  // A 32-token tile that holds at most 8 tokens loads one 8-row chunk of them (item 15); each k tile's
+  // barrier is told the token bytes per tile.
   static constexpr bool kTokenBoxByWidth = TileN == 32 && ClusterM == 1;
   // what a stage's barrier expects; the stage count stays TmaTransactionBytes' (moe_gemm_launch.hpp)
   static constexpr uint32_t TmaExpectBytes =
@@ -530,38 +530,33 @@ struct Mxfp4MoeMainloop {
     constexpr auto kWeightHint = TileN >= 16 && TileN <= 96 ? TMA::CacheHintSm90::EVICT_FIRST
                                                             : TMA::CacheHintSm90::EVICT_NORMAL;
     uint16_t const mcast_mask = kTokenMcastMask;   // with() takes it by reference
-    // item 15: the 8-row chunks holding the tile's tokens, or the one box where they are all of it
-    int const token_chunks = cute::min(int(TileN / 8), (cute::max(int(row_end - b_row), 1) + 7) / 8);
-    bool const token_box = !kTokenBoxByWidth || token_chunks == TileN / 8;
-    uint32_t const token_bytes = token_box ? TmaBytesB : uint32_t(token_chunks) * (TmaBytesB / (TileN / 8));
+    // item 15: a 32-token tile of at most 8 tokens reads 8 rows of them, any other tile the whole box
+    // (two or three 8-row boxes a k tile cost more than the rows they spare)
+    bool const token_chunk = kTokenBoxByWidth && row_end - b_row <= 8;
+    uint32_t const token_bytes = token_chunk ? TmaBytesB / (TileN / 8) : TmaBytesB;
     // (before the stage's first load: the barrier must not complete on the weights alone)
     auto expect_tokens = [&](BarrierType* tma_barrier) {
       if constexpr (kTokenBoxByWidth && !kProbeNoTokens) {
         cutlass::arch::ClusterTransactionBarrier::expect_transaction(tma_barrier, token_bytes);
       }
     };
+    // token rows [row, row + 8) into the stage's j-th 8-row chunk, for every CTA of the cluster
+    auto load_chunk = [&](int j, int32_t row, int kt, int write_stage, BarrierType* tma_barrier) {
+      Tensor gBj = local_tile(domain_offset(make_coord(row, 0), mAct), Shape<_8, Int<TileK>>{}, make_coord(0, kt));
+      Tensor sBj = local_tile(sB(_, _, write_stage), Shape<_8, Int<TileK>>{}, make_coord(j, 0));
+      copy(p.tma_load_b8.with(*tma_barrier, mcast_mask), block_tma_b8.partition_S(gBj), block_tma_b8.partition_D(sBj));
+    };
     auto load_tokens = [&](int kt, int write_stage, BarrierType* tma_barrier) {
       if constexpr (kProbeNoTokens) return;
-      if constexpr (kTokenBoxByWidth) {
-        if (!token_box) {
-          for (int j = 0; j < token_chunks; ++j) {
-            Tensor gBj = local_tile(domain_offset(make_coord(b_row + 8 * j, 0), mAct), Shape<_8, Int<TileK>>{}, make_coord(0, kt));
-            Tensor sBj = local_tile(sB(_, _, write_stage), Shape<_8, Int<TileK>>{}, make_coord(j, 0));
-            copy(p.tma_load_b8.with(*tma_barrier), block_tma_b8.partition_S(gBj), block_tma_b8.partition_D(sBj));
-          }
-          return;
-        }
-      }
-      if (!b_partial) {
+      if (token_chunk) {
+        load_chunk(0, b_row, kt, write_stage, tma_barrier);
+      } else if (!b_partial) {
         copy(p.tma_load_b.with(*tma_barrier, mcast_mask), tBgB(_, _, _, kt), tBsB(_, _, _, write_stage));
       } else {
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < TileN / 8; ++j) {
           if (ClusterM > 1 && j % ClusterM != int(block_rank_in_cluster)) continue;
-          int32_t const r = b_row + 8 * j < row_end ? b_row + 8 * j : p.act_rows;
-          Tensor gBj = local_tile(domain_offset(make_coord(r, 0), mAct), Shape<_8, Int<TileK>>{}, make_coord(0, kt));
-          Tensor sBj = local_tile(sB(_, _, write_stage), Shape<_8, Int<TileK>>{}, make_coord(j, 0));
-          copy(p.tma_load_b8.with(*tma_barrier, mcast_mask), block_tma_b8.partition_S(gBj), block_tma_b8.partition_D(sBj));
+          load_chunk(j, b_row + 8 * j < row_end ? b_row + 8 * j : p.act_rows, kt, write_stage, tma_barrier);
         }
       }
     };
