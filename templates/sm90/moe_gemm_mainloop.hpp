@@ -313,8 +313,10 @@ struct Mxfp4MoeMainloop {
   using SmemLayoutAtomB = GMMA::Layout_K_SW128_Atom<ElementMma>;
   using SmemLayoutB = decltype(tile_to_shape(SmemLayoutAtomB{},
       make_shape(Int<TileN>{}, Int<TileK>{}, Int<Stages>{}), Step<_1, _2, _3>{}));
-  // One 8-row chunk of the B tile (one swizzle atom per 64 K): the box of the partial-tile loads.
-  using SmemLayoutB8 = decltype(tile_to_shape(SmemLayoutAtomB{}, make_shape(_8{}, Int<TileK>{})));
+  // The first Rows rows of the B tile (Rows / 8 swizzle atoms per 64 K): 8 rows are the box of the
+  // partial-tile loads, 8, 16 or 24 the 32-token tiles' (item 15).
+  template <int Rows>
+  using SmemLayoutBRows = decltype(tile_to_shape(SmemLayoutAtomB{}, make_shape(Int<Rows>{}, Int<TileK>{})));
   using SmemLayoutScale = Layout<Shape<_128, Int<UnitsPerTile>, Int<SlabsPerTile>, Int<Stages>>,
                                  Stride<_1, _128, Int<128 * UnitsPerTile>, Int<TileM * Groups>>>;
   using TileShapeS = Shape<_128, Int<UnitsPerTile>, Int<SlabsPerTile>>;
@@ -338,8 +340,8 @@ struct Mxfp4MoeMainloop {
 #else
   static constexpr bool kProbeNoTokens = kProbeNoLoads;
 #endif
-  // A 32-token tile that holds at most 8 tokens loads one 8-row chunk of them (item 15); each k tile's
-  // barrier is told the token bytes per tile.
+  // A 32-token tile loads its tokens' 8-row chunks in one box of 8, 16 or 24 rows (item 15); each k
+  // tile's barrier is told the token bytes per tile.
   static constexpr bool kTokenBoxByWidth = TileN == 32 && ClusterM == 1;
   // what a stage's barrier expects; the stage count stays TmaTransactionBytes' (moe_gemm_launch.hpp)
   static constexpr uint32_t TmaExpectBytes =
@@ -395,17 +397,22 @@ struct Mxfp4MoeMainloop {
         GmemTiledCopyB{},
         make_tensor(static_cast<ElementB const*>(nullptr), GmemLayoutB{}),
         SmemLayoutB{}(_, _, Int<0>{}), make_shape(Int<TileN>{}, Int<TileK>{}), Int<ClusterM>{}));
-    using TMA_B8 = decltype(make_tma_copy(
+    template <int Rows>
+    using TMA_BRows = decltype(make_tma_copy(
         GmemTiledCopyB{},
         make_tensor(static_cast<ElementB const*>(nullptr), GmemLayoutB{}),
-        SmemLayoutB8{}, make_shape(_8{}, Int<TileK>{}), _1{}));
+        SmemLayoutBRows<Rows>{}, make_shape(Int<Rows>{}, Int<TileK>{}), _1{}));
+    struct NoTma {};
+    // (the 16- and 24-row boxes only where item 15 reads them)
+    template <int Rows>
+    using TMA_BTokens = cute::conditional_t<kTokenBoxByWidth, TMA_BRows<Rows>, NoTma>;
     using TMA_S = decltype(make_tma_copy(
         GmemTiledCopyScale{},
         make_tensor(static_cast<ElementScale const*>(nullptr), GmemLayoutS{}),
         SmemLayoutScale{}(_, _, _, Int<0>{}), TileShapeS{}, _1{}));
     TMA_A tma_load_a;
     TMA_B tma_load_b;
-    TMA_B8 tma_load_b8;
+    TMA_BRows<8> tma_load_b8;
     TMA_S tma_load_scale;
     uint32_t tma_transaction_bytes = TmaExpectBytes;
     int32_t const* offsets;
@@ -417,6 +424,9 @@ struct Mxfp4MoeMainloop {
     int k_real;
     int slow_scales;               // some scale byte > kFastScaleMax: the two-multiply conversion
     int pdl_mode = pdl::kOff;      // set per launch (moe_gemm_run), not cached with the rest
+    // (last: the other tiles' parameters stay where they were)
+    TMA_BTokens<16> tma_load_b16{};
+    TMA_BTokens<24> tma_load_b24{};
   };
 
   template <class ProblemShape>
@@ -434,11 +444,15 @@ struct Mxfp4MoeMainloop {
       make_tma_copy(GmemTiledCopyA{}, tA, SmemLayoutA{}(_, _, _, Int<0>{}), TileShapeA{}, _1{}),
       make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutB{}(_, _, Int<0>{}),
                     make_shape(Int<TileN>{}, Int<TileK>{}), Int<ClusterM>{}),
-      make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutB8{}, make_shape(_8{}, Int<TileK>{}), _1{}),
+      make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutBRows<8>{}, make_shape(_8{}, Int<TileK>{}), _1{}),
       make_tma_copy(GmemTiledCopyScale{}, tS, SmemLayoutScale{}(_, _, _, Int<0>{}), TileShapeS{}, _1{}),
       TmaExpectBytes,
       args.offsets, args.window, args.num_experts, args.act_rows,
       args.m_pad, args.k_pad, args.k_real, int(args.scale_max > kFastScaleMax)};
+    if constexpr (kTokenBoxByWidth) {
+      p.tma_load_b16 = make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutBRows<16>{}, make_shape(_16{}, Int<TileK>{}), _1{});
+      p.tma_load_b24 = make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutBRows<24>{}, make_shape(Int<24>{}, Int<TileK>{}), _1{});
+    }
     return p;
   }
 
@@ -508,7 +522,6 @@ struct Mxfp4MoeMainloop {
     int32_t const b_row = row0 + int32_t(n_coord) * TileN;
     bool const b_partial = TileN > 64 && b_row + TileN > row_end;
     Tensor mAct = get<4>(load_inputs)(_, _, 0);                                                  // (rows,K)
-    auto block_tma_b8 = p.tma_load_b8.get_slice(0);
     Tensor gA = local_tile(get<2>(load_inputs)(_, _, _, e), TileShapeA{}, make_coord(_0{}, _, m_coord));  // (256,8U,S,k)
     Tensor gS = local_tile(get<3>(load_inputs)(_, _, _, e), TileShapeS{}, make_coord(_0{}, _, m_coord));  // (128,U,S,k)
     Tensor mB = domain_offset(make_coord(row0 + int32_t(n_coord) * TileN, 0, 0), get<4>(load_inputs));
@@ -530,33 +543,42 @@ struct Mxfp4MoeMainloop {
     constexpr auto kWeightHint = TileN >= 16 && TileN <= 96 ? TMA::CacheHintSm90::EVICT_FIRST
                                                             : TMA::CacheHintSm90::EVICT_NORMAL;
     uint16_t const mcast_mask = kTokenMcastMask;   // with() takes it by reference
-    // item 15: a 32-token tile of at most 8 tokens reads 8 rows of them, any other tile the whole box
-    // (two or three 8-row boxes a k tile cost more than the rows they spare)
-    bool const token_chunk = kTokenBoxByWidth && row_end - b_row <= 8;
-    uint32_t const token_bytes = token_chunk ? TmaBytesB / (TileN / 8) : TmaBytesB;
+    // item 15: a 32-token tile reads its tokens' 8-row chunks in one box (8, 16 or 24 rows, or the whole
+    // box); one box each per chunk cost more than the rows they spared
+    int const token_rows = kTokenBoxByWidth ? cute::min(int(TileN), (cute::max(int(row_end - b_row), 1) + 7) / 8 * 8)
+                                            : int(TileN);
+    uint32_t const token_bytes = uint32_t(token_rows) * TileK * uint32_t(sizeof(ElementB));
     // (before the stage's first load: the barrier must not complete on the weights alone)
     auto expect_tokens = [&](BarrierType* tma_barrier) {
       if constexpr (kTokenBoxByWidth && !kProbeNoTokens) {
         cutlass::arch::ClusterTransactionBarrier::expect_transaction(tma_barrier, token_bytes);
       }
     };
-    // token rows [row, row + 8) into the stage's j-th 8-row chunk, for every CTA of the cluster
-    auto load_chunk = [&](int j, int32_t row, int kt, int write_stage, BarrierType* tma_barrier) {
-      Tensor gBj = local_tile(domain_offset(make_coord(row, 0), mAct), Shape<_8, Int<TileK>>{}, make_coord(0, kt));
-      Tensor sBj = local_tile(sB(_, _, write_stage), Shape<_8, Int<TileK>>{}, make_coord(j, 0));
-      copy(p.tma_load_b8.with(*tma_barrier, mcast_mask), block_tma_b8.partition_S(gBj), block_tma_b8.partition_D(sBj));
+    // token rows [row, row + rows) into the stage's rows [j * rows, ...), for every CTA of the cluster
+    auto load_rows = [&](auto const& tma, auto rows, int j, int32_t row, int kt, int write_stage, BarrierType* tma_barrier) {
+      auto box = make_shape(rows, Int<TileK>{});
+      Tensor gBj = local_tile(domain_offset(make_coord(row, 0), mAct), box, make_coord(0, kt));
+      Tensor sBj = local_tile(sB(_, _, write_stage), box, make_coord(j, 0));
+      auto block_tma = tma.get_slice(0);
+      copy(tma.with(*tma_barrier, mcast_mask), block_tma.partition_S(gBj), block_tma.partition_D(sBj));
     };
     auto load_tokens = [&](int kt, int write_stage, BarrierType* tma_barrier) {
       if constexpr (kProbeNoTokens) return;
-      if (token_chunk) {
-        load_chunk(0, b_row, kt, write_stage, tma_barrier);
-      } else if (!b_partial) {
+      if constexpr (kTokenBoxByWidth) {
+        switch (token_rows) {
+          case 8: load_rows(p.tma_load_b8, _8{}, 0, b_row, kt, write_stage, tma_barrier); return;
+          case 16: load_rows(p.tma_load_b16, _16{}, 0, b_row, kt, write_stage, tma_barrier); return;
+          case 24: load_rows(p.tma_load_b24, Int<24>{}, 0, b_row, kt, write_stage, tma_barrier); return;
+          default: break;
+        }
+      }
+      if (!b_partial) {
         copy(p.tma_load_b.with(*tma_barrier, mcast_mask), tBgB(_, _, _, kt), tBsB(_, _, _, write_stage));
       } else {
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < TileN / 8; ++j) {
           if (ClusterM > 1 && j % ClusterM != int(block_rank_in_cluster)) continue;
-          load_chunk(j, b_row + 8 * j < row_end ? b_row + 8 * j : p.act_rows, kt, write_stage, tma_barrier);
+          load_rows(p.tma_load_b8, _8{}, j, b_row + 8 * j < row_end ? b_row + 8 * j : p.act_rows, kt, write_stage, tma_barrier);
         }
       }
     };
