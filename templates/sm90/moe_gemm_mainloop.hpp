@@ -130,21 +130,22 @@
 //     M = 1024 -1.8 / -1.9%, gpt-oss M = 256-1024 -0.5..-1.0%, the other points within the rounds'
 //     spread. On every tile it cost M = 16384 +1.2..+4.7% (where a weight tile serves up to four token
 //     tiles), so the 8-token and 128/160-token tiles keep evict-normal.
-// 15. The 32-token tiles load only the 8-row token chunks that hold the tile's tokens (one box of 8 rows
-//     each, through the partial tiles' 8-row descriptor), and each stage's barrier expects the weights
-//     and scales, plus those chunks' bytes, told per tile before the stage's first load (upstream: one
-//     box of TileN rows, a fixed transaction count). Where an expert's last tile holds 8 tokens the
-//     tile read 32 rows of tokens from L2 for 8; the rows past the chunks keep an earlier tile's values,
-//     which only the GMMA columns past the tile's tokens read (no stored output depends on them). The
-//     streaming tile 192x32x256, layers on it at 2.7-16 rows per expert, three rounds of five interleaved
-//     (benchmarks/NOTES.md 2026-12-04 (44)): dsv4-flash / kimi-k2 -1.7..-3.0%, dsv3 -2.8% at M = 128 and
-//     -0.1..+0.1% at M = 256, gpt-oss-120b and qwen3-30b-a3b -0.4..+0.8% uniform; one 8-row box for at
-//     most 8 tokens and the whole box otherwise measured the same. The rule's plans, two rounds against the
-//     library before: M = 256 -2.5..+1.0% (dsv3 -2.0 / -2.5% uniform / Zipf, dsv4-flash -1.8 / -1.3%,
-//     gpt-oss -1.2 / -0.4%, qwen3 +1.0 / +0.0%), M = 512-1024 -2.3..+2.8% (gpt-oss M = 1024 +2.0 / +2.8%
-//     uniform / Dirichlet: its split plan's 32-token part, remainders of 1-32 rows over 12 k tiles). The 8-row chunks as four TMA boxes,
-//     those past the tokens out of bounds (zero-filled without a read), were +1..+18% ((42)): four boxes
-//     a k tile cost more than the rows they spared; here a tile issues one box per chunk it holds.
+// 15. A 32-token tile loads the 8-row token chunks that hold its tokens in one box of 8, 16 or 24 rows
+//     (two more descriptors, only in these kernels; the whole box of 32 where all four chunks hold
+//     tokens), and each stage's barrier expects the weights and scales, plus those rows' bytes, told per
+//     tile before the stage's first load (upstream: one box of TileN rows, a fixed transaction count).
+//     An expert's last tile of 8 tokens read 32 rows of tokens from L2; the rows past the box keep an
+//     earlier tile's values, which only the GMMA columns past the tile's tokens read (no stored output
+//     depends on them). One box per chunk (c594193) gained on the streaming tile (layers at 2.7-16 rows
+//     per expert: dsv4-flash / kimi-k2 -1.7..-3.0%, dsv3 -2.8% at M = 128) but lost 2.0-2.8% at
+//     gpt-oss M = 1024, whose split plan's 32-token part holds remainders of 1-32 rows: two or three boxes
+//     a k tile cost more than the rows they spare. The rule's plans, M = 128-2048, three routings, two
+//     rounds of five interleaved against the box per chunk (benchmarks/NOTES.md 2026-12-04 (45)): geomean
+//     -0.21%, 37 of 60 points faster, gpt-oss M = 1024 -3.4 / -3.7% (uniform / Dirichlet); one 8-row box
+//     for at most 8 tokens and the whole box otherwise measured the same within the rounds' spread
+//     (-0.12% against it) but dsv3 M = 512 (16 rows per expert) +1.3 / +2.0% against the box per chunk.
+//     The 8-row chunks as four boxes, those past the tokens out of bounds (zero-filled without a read),
+//     were +1..+18% ((42)).
 //
 // Measured on an H200 (benchmarks/NOTES.md, 2026-11-30): the bit-placement converter (3.) made the
 // decode GEMMs 18-24% faster and prefill-tile GEMMs 12-16% (bench_20261130T221715Z vs
