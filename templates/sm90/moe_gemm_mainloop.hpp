@@ -141,9 +141,10 @@
 //     gpt-oss M = 1024, whose split plan's 32-token part holds remainders of 1-32 rows: two or three boxes
 //     a k tile cost more than the rows they spare. The rule's plans, M = 128-2048, three routings, two
 //     rounds of five interleaved against the box per chunk (benchmarks/NOTES.md 2026-12-04 (45)): geomean
-//     -0.21%, 37 of 60 points faster, gpt-oss M = 1024 -3.4 / -3.7% (uniform / Dirichlet); one 8-row box
-//     for at most 8 tokens and the whole box otherwise measured the same within the rounds' spread
-//     (-0.12% against it) but dsv3 M = 512 (16 rows per expert) +1.3 / +2.0% against the box per chunk.
+//     -0.21%, 37 of 60 points faster (a third run, another machine, M = 256-2048: -0.81%, 40 of 48),
+//     gpt-oss M = 1024 -3.4 / -3.7% (uniform / Dirichlet); one 8-row box for at most 8 tokens and the
+//     whole box otherwise measured the same within the rounds' spread (rows -0.12% against it) but dsv3
+//     M = 512 (16 rows per expert) +1.3 / +2.0% against the box per chunk.
 //     The 8-row chunks as four boxes, those past the tokens out of bounds (zero-filled without a read),
 //     were +1..+18% ((42)).
 //
