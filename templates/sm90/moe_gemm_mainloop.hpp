@@ -344,10 +344,10 @@ struct Mxfp4MoeMainloop {
 #endif
   // A 32-token tile loads its tokens' 8-row chunks in one box of 8, 16 or 24 rows (item 15); each k
   // tile's barrier is told the token bytes per tile.
-  static constexpr bool kTokenBoxByWidth = TileN == 32 && ClusterM == 1;
+  static constexpr bool kTokenBoxByRows = TileN == 32 && ClusterM == 1;
   // what a stage's barrier expects; the stage count stays TmaTransactionBytes' (moe_gemm_launch.hpp)
   static constexpr uint32_t TmaExpectBytes =
-      kProbeNoLoads ? 0 : TmaTransactionBytes - (kProbeNoTokens || kTokenBoxByWidth ? TmaBytesB : 0);
+      kProbeNoLoads ? 0 : TmaTransactionBytes - (kProbeNoTokens || kTokenBoxByRows ? TmaBytesB : 0);
   static_assert(TmaBytesS % 128 == 0, "scale stage must be a multiple of 128 bytes");
 
   struct SharedStorage {
@@ -407,7 +407,7 @@ struct Mxfp4MoeMainloop {
     struct NoTma {};
     // (the 16- and 24-row boxes only where item 15 reads them)
     template <int Rows>
-    using TMA_BTokens = cute::conditional_t<kTokenBoxByWidth, TMA_BRows<Rows>, NoTma>;
+    using TMA_BTokens = cute::conditional_t<kTokenBoxByRows, TMA_BRows<Rows>, NoTma>;
     using TMA_S = decltype(make_tma_copy(
         GmemTiledCopyScale{},
         make_tensor(static_cast<ElementScale const*>(nullptr), GmemLayoutS{}),
@@ -451,7 +451,7 @@ struct Mxfp4MoeMainloop {
       TmaExpectBytes,
       args.offsets, args.window, args.num_experts, args.act_rows,
       args.m_pad, args.k_pad, args.k_real, int(args.scale_max > kFastScaleMax)};
-    if constexpr (kTokenBoxByWidth) {
+    if constexpr (kTokenBoxByRows) {
       p.tma_load_b16 = make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutBRows<16>{}, make_shape(_16{}, Int<TileK>{}), _1{});
       p.tma_load_b24 = make_tma_copy(GmemTiledCopyB{}, tB, SmemLayoutBRows<24>{}, make_shape(Int<24>{}, Int<TileK>{}), _1{});
     }
@@ -547,12 +547,12 @@ struct Mxfp4MoeMainloop {
     uint16_t const mcast_mask = kTokenMcastMask;   // with() takes it by reference
     // item 15: a 32-token tile reads its tokens' 8-row chunks in one box (8, 16 or 24 rows, or the whole
     // box); one box each per chunk cost more than the rows they spared
-    int const token_rows = kTokenBoxByWidth ? cute::min(int(TileN), (cute::max(int(row_end - b_row), 1) + 7) / 8 * 8)
+    int const token_rows = kTokenBoxByRows ? cute::min(int(TileN), (cute::max(int(row_end - b_row), 1) + 7) / 8 * 8)
                                             : int(TileN);
     uint32_t const token_bytes = uint32_t(token_rows) * TileK * uint32_t(sizeof(ElementB));
     // (before the stage's first load: the barrier must not complete on the weights alone)
     auto expect_tokens = [&](BarrierType* tma_barrier) {
-      if constexpr (kTokenBoxByWidth && !kProbeNoTokens) {
+      if constexpr (kTokenBoxByRows && !kProbeNoTokens) {
         cutlass::arch::ClusterTransactionBarrier::expect_transaction(tma_barrier, token_bytes);
       }
     };
@@ -566,7 +566,7 @@ struct Mxfp4MoeMainloop {
     };
     auto load_tokens = [&](int kt, int write_stage, BarrierType* tma_barrier) {
       if constexpr (kProbeNoTokens) return;
-      if constexpr (kTokenBoxByWidth) {
+      if constexpr (kTokenBoxByRows) {
         switch (token_rows) {
           case 8: load_rows(p.tma_load_b8, _8{}, 0, b_row, kt, write_stage, tma_barrier); return;
           case 16: load_rows(p.tma_load_b16, _16{}, 0, b_row, kt, write_stage, tma_barrier); return;
