@@ -98,7 +98,7 @@ def summarize(times, base=None):
     base = base or libs[0]
     if base not in libs:
         raise ValueError(f"base {base!r} is not among the records' libraries {libs}")
-    keys = sorted({key[1:] for key in times}, key=lambda k: (k[0], k[1], k[2]))
+    keys = sorted({key[1:] for key in times})
     points, logs = [], defaultdict(list)
     for routing, config, M in keys:
         mean = {lib: statistics.fmean(times[lib, routing, config, M]) for lib in libs
