@@ -11,6 +11,7 @@ An eager fused_moe call skips the dispatcher: it runs this module's checks and `
 """
 import ctypes
 import functools
+import itertools
 import math
 import struct
 import threading
@@ -389,7 +390,36 @@ def _launch(index, hidden, experts, topk_weights, topk_ids, activation, swiglu_l
 
 @functools.lru_cache(maxsize=1)
 def _layer_function():
-    return _lib.library().function("mc_layer")
+    lib = _lib.library()
+    check_abi(lib)
+    return lib.function("mc_layer")
+
+
+def abi() -> str:
+    """What mc_abi reports in a library built from this version: the prepared layout's version, then every field
+    of LayerCall and GemmPlan at its byte offset, and their sizes."""
+    structs = [" ".join([name] + [f"{field}@{getattr(struct_type, field).offset}" for field, _ in struct_type._fields_]
+                        + [f"size@{ctypes.sizeof(struct_type)}"])
+               for name, struct_type in (("McLayerCall", LayerCall), ("McGemmPlan", GemmPlan))]
+    return "; ".join([f"format {layout.FORMAT}"] + structs)
+
+
+def check_abi(lib) -> None:
+    """Raises a RuntimeError where the library was built from another version of moe_cutlass: it would read other
+    fields of the argument block, or other bits of the prepared weights, and return garbage without an error."""
+    ours = abi()
+    theirs = lib.function("mc_abi")().decode() if "mc_abi" in lib.signatures else None
+    if theirs == ours:
+        return
+    if theirs is None:
+        what = "it has no mc_abi (built before 2026-12-05)"
+    else:
+        lib_item, our_item = next((a, b) for a, b in itertools.zip_longest(theirs.split(), ours.split(), fillvalue="(end)")
+                                  if a != b)
+        what = f"it reports {lib_item!r} where this package has {our_item!r} (mc_abi: {theirs!r})"
+    raise RuntimeError(f"the kernel library {lib.path} was built from another version of moe_cutlass: {what}; rebuild "
+                       f"it with `python -m codegen --arch {_lib.ARCH}`, or set {_lib.ENV_VAR} to a library built from "
+                       f"this version")
 
 
 @functools.lru_cache(maxsize=1)

@@ -16,7 +16,7 @@ from codegen.build import build, compile_flags
 from codegen.configs import KERNELS, KernelConfig
 from codegen.paths import REPO_ROOT, generated_dir, templates_dir
 from codegen.toolchain import Toolchain
-from moe_cutlass import _lib
+from moe_cutlass import _lib, ops
 
 ARCH = "sm90"
 
@@ -72,7 +72,7 @@ def test_routing_abi():
     routing = next(k for k in manifest["kernels"] if k["name"] == "routing")
     names = [fn["name"] for fn in routing["functions"]]
     assert names == ["mc_expand_i32", "mc_expand_i64", "mc_expand_workspace_ints", "mc_finalize", "mc_layer",
-                     "mc_layer_graph_count", "mc_layer_release", "mc_layer_call_layout", "mc_error_string"]
+                     "mc_layer_graph_count", "mc_layer_release", "mc_abi", "mc_error_string"]
     for fn in routing["functions"]:
         if fn["name"] == "mc_layer":  # its stream travels in the argument block
             assert [p["type"] for p in fn["params"]] == ["void*"]
@@ -252,11 +252,14 @@ def _first_gemm(kind, tile_m=128):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_gemm_instantiations_compile_without_spills_and_use_hgmma(tmp_path):
     """CI has no GPU, but a broken GEMM template must still fail it: compile one of each kind, and one
-    192-row tile (three consumer warpgroups: our fork of the kernel, moe_gemm_kernel.hpp)."""
+    192-row tile (three consumer warpgroups: our fork of the kernel, moe_gemm_kernel.hpp); and an ABI that
+    the package does not mirror (templates/sm90/moe_layer_call.h) must fail it too."""
     gen = tmp_path / "generated"
     render.write(render.render(ARCH), gen)
     names = [_first_gemm(1), _first_gemm(2), _first_gemm(1, tile_m=192)]
-    build(ARCH, only=names, gen_dir=gen, out_dir=tmp_path / "build", emit=print)
+    library = build(ARCH, only=names + ["routing"], gen_dir=gen, out_dir=tmp_path / "build", emit=print)
+    # the argument block and the prepared layout as compiled are the package's (loading needs no GPU)
+    ops.check_abi(_lib.Library(library))
     report = json.loads((tmp_path / "build" / "build_report.json").read_text())
     for name in names:
         obj = report["objects"][name]

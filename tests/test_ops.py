@@ -337,20 +337,67 @@ def test_compiled_router_and_layer_match_the_reference():
     assert_close(out, mc.reference.fused_moe_float(x, experts, weights, ids))
 
 
-def test_layer_call_matches_the_c_struct():
+def test_the_built_library_has_this_packages_abi():
     """ops.LayerCall and ops.GemmPlan mirror struct McLayerCall and struct McGemmPlan
-    (templates/sm90/moe_layer_call.h, MC_MAX_GEMM_PARTS included) field by field: the built library
-    reports the compiler's offsets (no GPU needed to load it)."""
+    (templates/sm90/moe_layer_call.h, MC_MAX_GEMM_PARTS included) field by field, and layout.FORMAT is
+    MC_PREPARED_FORMAT: the built library reports the compiler's offsets (no GPU needed to load it)."""
     try:
         lib = _lib.library()
     except _lib.LibraryNotFound:
         pytest.skip("the kernel library is not built")
-    want = []
-    for struct_type in (ops.LayerCall, ops.GemmPlan):
-        want += [getattr(struct_type, name).offset for name, _ in struct_type._fields_] + [ctypes.sizeof(struct_type)]
-    layout = (ctypes.c_int64 * len(want))()
-    lib.function("mc_layer_call_layout")(layout)
-    assert list(layout) == want
+    assert lib.function("mc_abi")().decode() == ops.abi()
+
+
+def test_abi_names_every_field():
+    items = ops.abi().split("; ")
+    assert items[0] == f"format {layout.FORMAT}"
+    for item, struct_type in zip(items[1:], (ops.LayerCall, ops.GemmPlan), strict=True):
+        fields = item.split()[1:]
+        assert [f.split("@")[0] for f in fields] == [name for name, _ in struct_type._fields_] + ["size"]
+        assert fields[-1] == f"size@{ctypes.sizeof(struct_type)}"
+
+
+class ForeignLibrary:
+    """A kernel library as ops sees it, whose mc_abi reports `abi` (None: it has none)."""
+
+    path = "/elsewhere/libmoe_cutlass_sm90.so"
+
+    def __init__(self, abi):
+        self.abi = abi
+        self.signatures = {"mc_layer": {}} | ({"mc_abi": {}} if abi is not None else {})
+
+    def function(self, symbol):
+        assert symbol == "mc_abi"
+        return lambda: self.abi.encode()
+
+
+def _moved(abi, field, offset):
+    return " ".join(f"{field}@{offset}" if item.startswith(f"{field}@") else item for item in abi.split(" "))
+
+
+@pytest.mark.parametrize("abi,reported", [
+    (None, "it has no mc_abi"),
+    (ops.abi().replace(f"format {layout.FORMAT};", f"format {layout.FORMAT - 1};"),
+     f"'{layout.FORMAT - 1};' where this package has '{layout.FORMAT};'"),
+    (_moved(ops.abi(), "out", 40), "'out@40' where this package has 'out@24'"),
+    (ops.abi() + " extra@136", "'extra@136' where this package has '(end)'"),
+    (ops.abi().rsplit(" ", 2)[0], "'(end)' where this package has 'pdl@128'"),
+])
+def test_a_library_of_another_version_is_refused(abi, reported, monkeypatch):
+    """A library built from another version of the argument block or the prepared layout would read other fields or
+    bits and return garbage without an error: the first layer call refuses it, naming the library and the difference."""
+    with pytest.raises(RuntimeError, match="another version of moe_cutlass") as info:
+        ops.check_abi(ForeignLibrary(abi))
+    assert ForeignLibrary.path in str(info.value) and reported in str(info.value)
+    assert "python -m codegen --arch sm90" in str(info.value)
+    ops.check_abi(ForeignLibrary(ops.abi()))
+    monkeypatch.setattr(_lib, "library", lambda: ForeignLibrary(abi))
+    ops._layer_function.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="another version of moe_cutlass"):
+            ops._layer_function()
+    finally:
+        ops._layer_function.cache_clear()
 
 
 # ---- GPU: repeated eager calls replay mc_layer's CUDA graph (templates/sm90/layer_launch.cuh) ----

@@ -50,10 +50,10 @@ int32_t mc_layer_graph_count(const void* call);
 /* Frees the CUDA graphs mc_layer keeps in call->graphs (a launch in flight completes); the block may be
  * used again. Host only. */
 void mc_layer_release(void* call);
-/* The byte offset of every field of struct McLayerCall in declaration order, then its size, then the
- * same for struct McGemmPlan (44 + 7 values): the Python mirrors check their layouts against the
- * compiler's. Host only. */
-void mc_layer_call_layout(int64_t* offsets);
+/* What a caller must agree on with this library: "format F; McLayerCall field@offset ... size@S; McGemmPlan ...",
+ * the prepared weights' layout version (MC_PREPARED_FORMAT) and every field of the argument block's structs at its
+ * byte offset. moe_cutlass/ops.py checks it before its first mc_layer call. Host only. */
+const char* mc_abi(void);
 /* Message of a status code returned by any mc_ function (a cudaError_t value). */
 const char* mc_error_string(int code);
 

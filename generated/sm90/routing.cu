@@ -42,16 +42,17 @@ int32_t mc_layer_graph_count(const void* call);
 /* Frees the CUDA graphs mc_layer keeps in call->graphs (a launch in flight completes); the block may be
  * used again. Host only. */
 void mc_layer_release(void* call);
-/* The byte offset of every field of struct McLayerCall in declaration order, then its size, then the
- * same for struct McGemmPlan (44 + 7 values): the Python mirrors check their layouts against the
- * compiler's. Host only. */
-void mc_layer_call_layout(int64_t* offsets);
+/* What a caller must agree on with this library: "format F; McLayerCall field@offset ... size@S; McGemmPlan ...",
+ * the prepared weights' layout version (MC_PREPARED_FORMAT) and every field of the argument block's structs at its
+ * byte offset. moe_cutlass/ops.py checks it before its first mc_layer call. Host only. */
+const char* mc_abi(void);
 /* Message of a status code returned by any mc_ function (a cudaError_t value). */
 const char* mc_error_string(int code);
 }
 
 #include <cmath>
 #include <cstddef>
+#include <string>
 
 #include "layer_launch.cuh"
 #include "moe_layer_call.h"
@@ -120,25 +121,36 @@ extern "C" void mc_layer_release(void* call) {
   moe_cutlass::layer_launch::release(static_cast<McLayerCall*>(call));
 }
 
-extern "C" void mc_layer_call_layout(int64_t* offsets) {
-  int64_t const layout[] = {
-      int64_t(offsetof(McLayerCall, hidden)), int64_t(offsetof(McLayerCall, topk_ids)), int64_t(offsetof(McLayerCall, topk_weights)), int64_t(offsetof(McLayerCall, out)),
-      int64_t(offsetof(McLayerCall, num_tokens)), int64_t(offsetof(McLayerCall, stream)), int64_t(offsetof(McLayerCall, plan)), int64_t(offsetof(McLayerCall, fused)),
-      int64_t(offsetof(McLayerCall, ids_int64)), int64_t(offsetof(McLayerCall, top_k)), int64_t(offsetof(McLayerCall, num_experts)), int64_t(offsetof(McLayerCall, hidden_size)),
-      int64_t(offsetof(McLayerCall, intermediate_size)), int64_t(offsetof(McLayerCall, expert_map)), int64_t(offsetof(McLayerCall, num_global_experts)), int64_t(offsetof(McLayerCall, w13_blocks)),
-      int64_t(offsetof(McLayerCall, w13_scales)), int64_t(offsetof(McLayerCall, w13_bias)), int64_t(offsetof(McLayerCall, w13_scale_max)), int64_t(offsetof(McLayerCall, w2_blocks)),
-      int64_t(offsetof(McLayerCall, w2_scales)), int64_t(offsetof(McLayerCall, w2_bias)), int64_t(offsetof(McLayerCall, w2_scale_max)), int64_t(offsetof(McLayerCall, expert_counts)),
-      int64_t(offsetof(McLayerCall, expert_offsets)), int64_t(offsetof(McLayerCall, sorted_slots)), int64_t(offsetof(McLayerCall, slot_to_row)), int64_t(offsetof(McLayerCall, gathered)),
-      int64_t(offsetof(McLayerCall, row_weights)), int64_t(offsetof(McLayerCall, expand_workspace)), int64_t(offsetof(McLayerCall, expand_workspace_ints)), int64_t(offsetof(McLayerCall, inter)),
-      int64_t(offsetof(McLayerCall, act_rows)), int64_t(offsetof(McLayerCall, gemm1_workspace)), int64_t(offsetof(McLayerCall, gemm1_workspace_bytes)), int64_t(offsetof(McLayerCall, gemm2_workspace)),
-      int64_t(offsetof(McLayerCall, gemm2_workspace_bytes)), int64_t(offsetof(McLayerCall, activation)), int64_t(offsetof(McLayerCall, swiglu_alpha)), int64_t(offsetof(McLayerCall, swiglu_limit)),
-      int64_t(offsetof(McLayerCall, routed_scaling_factor)), int64_t(offsetof(McLayerCall, failed)),
-      int64_t(offsetof(McLayerCall, graphs)), int64_t(sizeof(McLayerCall)),
-      int64_t(offsetof(McGemmPlan, gemm1)), int64_t(offsetof(McGemmPlan, gemm2)), int64_t(offsetof(McGemmPlan, rem_lo)),
-      int64_t(offsetof(McGemmPlan, rem_hi)), int64_t(offsetof(McGemmPlan, row_chunk)), int64_t(offsetof(McGemmPlan, num_parts)),
-      int64_t(offsetof(McGemmPlan, pdl)),
-      int64_t(sizeof(McGemmPlan))};
-  for (size_t i = 0; i < sizeof(layout) / sizeof(layout[0]); ++i) offsets[i] = layout[i];
+// What a caller must agree on with this library, as text: the prepared weights' layout version, then every field
+// of the argument block's structs at its byte offset (moe_cutlass/ops.py abi: its ctypes mirrors and layout.FORMAT).
+// ops compares it before the first mc_layer call: a library built from another version would read other fields,
+// or other bits of the weights, without an error.
+extern "C" const char* mc_abi(void) {
+  static std::string const abi = [] {
+    std::string s = "format " + std::to_string(MC_PREPARED_FORMAT) + ";";
+    auto field = [&s](char const* name, size_t offset) { s += " " + std::string(name) + "@" + std::to_string(offset); };
+#define MC_FIELD(f) field(#f, offsetof(McLayerCall, f))
+    s += " McLayerCall";
+    MC_FIELD(hidden); MC_FIELD(topk_ids); MC_FIELD(topk_weights); MC_FIELD(out); MC_FIELD(num_tokens); MC_FIELD(stream);
+    MC_FIELD(plan); MC_FIELD(fused); MC_FIELD(ids_int64); MC_FIELD(top_k); MC_FIELD(num_experts); MC_FIELD(hidden_size);
+    MC_FIELD(intermediate_size); MC_FIELD(expert_map); MC_FIELD(num_global_experts); MC_FIELD(w13_blocks);
+    MC_FIELD(w13_scales); MC_FIELD(w13_bias); MC_FIELD(w13_scale_max); MC_FIELD(w2_blocks); MC_FIELD(w2_scales);
+    MC_FIELD(w2_bias); MC_FIELD(w2_scale_max); MC_FIELD(expert_counts); MC_FIELD(expert_offsets); MC_FIELD(sorted_slots);
+    MC_FIELD(slot_to_row); MC_FIELD(gathered); MC_FIELD(row_weights); MC_FIELD(expand_workspace);
+    MC_FIELD(expand_workspace_ints); MC_FIELD(inter); MC_FIELD(act_rows); MC_FIELD(gemm1_workspace);
+    MC_FIELD(gemm1_workspace_bytes); MC_FIELD(gemm2_workspace); MC_FIELD(gemm2_workspace_bytes); MC_FIELD(activation);
+    MC_FIELD(swiglu_alpha); MC_FIELD(swiglu_limit); MC_FIELD(routed_scaling_factor); MC_FIELD(failed); MC_FIELD(graphs);
+#undef MC_FIELD
+    field("size", sizeof(McLayerCall));
+#define MC_FIELD(f) field(#f, offsetof(McGemmPlan, f))
+    s += "; McGemmPlan";
+    MC_FIELD(gemm1); MC_FIELD(gemm2); MC_FIELD(rem_lo); MC_FIELD(rem_hi); MC_FIELD(row_chunk); MC_FIELD(num_parts);
+    MC_FIELD(pdl);
+#undef MC_FIELD
+    field("size", sizeof(McGemmPlan));
+    return s;
+  }();
+  return abi.c_str();
 }
 
 extern "C" const char* mc_error_string(int code) {
