@@ -60,7 +60,7 @@ CODE_BITS = ((15, 8, 7, 6), (31, 24, 23, 22), (11, 4, 3, 10), (27, 20, 19, 26),
 # value v's bits, by register j = v >> 1.
 BIT_POS_V1 = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 11, 10, 13))
 # The prepared layout's version: 1 BIT_POS_V1's blocks, 2 CODE_BITS' blocks with the byte scales, 3 the scale
-# words above. The kernels read one (MC_PREPARED_FORMAT, templates/sm90/moe_layer_call.h: change both together);
+# words above. The kernels read one (MC_PREPARED_FORMAT, templates/sm90/routing.cu.j2: change both together);
 # ops checks a built library's before its first call.
 FORMAT = 3
 FAST_SCALE_MAX = 128   # 2^(s-1) must be a normal bf16: the bias-fixing multiply folds in the scale

@@ -125,6 +125,11 @@ extern "C" void mc_layer_release(void* call) {
 // of the argument block's structs at its byte offset (moe_cutlass/ops.py abi: its ctypes mirrors and layout.FORMAT).
 // ops compares it before the first mc_layer call: a library built from another version would read other fields,
 // or other bits of the weights, without an error.
+// The layout version of the prepared weights that the GEMMs read (mxfp4_math.cuh's conversion, the mainloop's
+// unit loads): moe_cutlass/layout.py FORMAT, change both together. Here, not in a header the GEMMs include, so that
+// the number is no input of their objects (a header's content is part of each object's cache key).
+#define MC_PREPARED_FORMAT 3
+
 extern "C" const char* mc_abi(void) {
   static std::string const abi = [] {
     std::string s = "format " + std::to_string(MC_PREPARED_FORMAT) + ";";

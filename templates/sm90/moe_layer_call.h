@@ -17,10 +17,6 @@
 extern "C" {
 #endif
 
-/* The layout version of the prepared weights that the kernels read (moe_cutlass/layout.py FORMAT: change both
- * together); mc_abi reports it. */
-#define MC_PREPARED_FORMAT 3
-
 /* The signature of every mc_sm90_moe_gemm* entry point (each GEMM instantiation checks it). */
 typedef int (*McGemmFn)(const void* w_blocks, const void* w_scales, const float* bias, const void* act,
                         int32_t act_rows, const int32_t* expert_offsets, int32_t row_chunk, int32_t rem_lo,
