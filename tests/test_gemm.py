@@ -244,6 +244,41 @@ def _token_width_configs():
     return [c for c in CONFIGS1 + CONFIGS2 if len(_gemm().gmma_widths(c)) > 1]
 
 
+def _check_each_expert(config, counts, seed, repeats=1, pdl=0):
+    """One GEMM of `config` over experts holding `counts` rows, each expert's rows against the reference; run
+    `repeats` times, every run's bits the first's."""
+    E = len(counts)
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(counts)
+    if config.startswith("moe_gemm1_"):
+        H, I = 256, 192
+        blocks, scales = random_weights(E, 2 * I, H, gen)
+        bias = torch.randn(E, 2 * I, generator=gen)
+        x = torch.randn(total, H, generator=gen).to(torch.bfloat16)
+        run = lambda: run_gemm1(blocks, scales, bias, x, counts, config=config, pdl=pdl)  # noqa: E731
+        ref = ref_gemm1(dequant(blocks, scales), bias, x, counts, "silu", 1.702, None)
+    else:
+        H, I = 384, 256
+        blocks, scales = random_weights(E, H, I, gen)
+        bias = torch.randn(E, H, generator=gen)
+        x = torch.randn(total, I, generator=gen).to(torch.bfloat16)
+        w = torch.rand(total, generator=gen)
+        run = lambda: run_gemm2(blocks, scales, bias, x, counts, w, config=config, pdl=pdl)  # noqa: E731
+        ref = ref_gemm2(dequant(blocks, scales), bias, x, w, counts)
+    out = run()
+    for i in range(1, repeats):
+        again = run()
+        differ = (again.view(torch.int16) != out.view(torch.int16)).any(1).nonzero().flatten().tolist()
+        assert not differ, f"run {i}: rows {differ[:8]} (of {len(differ)}) differ from the first run's"
+    assert torch.isnan(out[total:].float()).all(), "wrote past the last row"
+    out = out[:total].cpu()
+    r = 0
+    for e, c in enumerate(counts):
+        assert not torch.isnan(out[r:r + c].float()).any(), f"expert {e} ({c} rows): rows left unwritten"
+        assert relerr(out[r:r + c], ref[r:r + c]) < 1e-2, f"expert {e} ({c} rows)"
+        r += c
+
+
 @pytest.mark.parametrize("config", _token_width_configs() or ["moe_gemm1_m192n64k128_coop"])
 def test_every_token_width(config):
     """moe_gemm_mainloop.hpp item 12: an expert's last token tile runs its GMMAs over its tokens rounded up
@@ -254,31 +289,33 @@ def test_every_token_width(config):
     # each width's first and last count (the narrowest's first: 7 below its last)
     counts = sorted({1, half - 1, half + 1, tile_n + half + 3}
                     | {c for lo, w in zip((widths[0] - 8,) + widths, widths) for c in (lo + 1, w)})
-    E = len(counts)
-    gen = torch.Generator().manual_seed(tile_n)
-    total = sum(counts)
-    if config.startswith("moe_gemm1_"):
-        H, I = 256, 192
-        blocks, scales = random_weights(E, 2 * I, H, gen)
-        bias = torch.randn(E, 2 * I, generator=gen)
-        x = torch.randn(total, H, generator=gen).to(torch.bfloat16)
-        out = run_gemm1(blocks, scales, bias, x, counts, config=config)
-        ref = ref_gemm1(dequant(blocks, scales), bias, x, counts, "silu", 1.702, None)
-    else:
-        H, I = 384, 256
-        blocks, scales = random_weights(E, H, I, gen)
-        bias = torch.randn(E, H, generator=gen)
-        x = torch.randn(total, I, generator=gen).to(torch.bfloat16)
-        w = torch.rand(total, generator=gen)
-        out = run_gemm2(blocks, scales, bias, x, counts, w, config=config)
-        ref = ref_gemm2(dequant(blocks, scales), bias, x, w, counts)
-    assert torch.isnan(out[total:].float()).all(), "wrote past the last row"
-    out = out[:total].cpu()
-    r = 0
-    for e, c in enumerate(counts):
-        assert not torch.isnan(out[r:r + c].float()).any(), f"expert {e} ({c} rows): rows left unwritten"
-        assert relerr(out[r:r + c], ref[r:r + c]) < 1e-2, f"expert {e} ({c} rows)"
-        r += c
+    _check_each_expert(config, counts, tile_n)
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS1 + CONFIGS2 if _gemm().tile_n(c) >= 16])
+def test_every_token_box(config):
+    """A tile of fewer than TileN tokens: the 32-token tile loads its 8-row chunks in one box (mainloop item 15),
+    the 96-160-token tiles one box per chunk, those past the expert out of bounds (item 4), the 16- and 64-token
+    tiles the whole box. Experts whose last tile ends at each chunk's first and last row (alone, and after a full
+    tile), in an order where a tile of many chunks runs before one of few (rows a tile does not load keep an
+    earlier tile's tokens), each against the reference."""
+    tile_n = _gemm().tile_n(config)
+    tails = [c for j in range(1, tile_n // 8 + 1) for c in (8 * j - 7, 8 * j)]
+    counts = tails[::-1] + [tile_n + c for c in tails[::3]]
+    _check_each_expert(config, counts, 7 * tile_n)
+
+
+@pytest.mark.parametrize("pdl", [0, 2])
+@pytest.mark.parametrize("config", [c for c in CONFIGS1 + CONFIGS2 if c.endswith("_c2")] or
+                         ["moe_gemm2_m128n128k128_coop_c2"])
+def test_cluster_tiles_repeat_the_same_bits(config, pdl):
+    """A cluster's CTAs multicast their halves of the token tile to both, and each stage's arrive must expect
+    them (a later expect let 1 of 12 such runs read a full tile's stage before its tokens landed:
+    benchmarks/NOTES.md 2026-12-05 (50)). 32 experts of 470-560 rows (full tiles and partial ones of every
+    size), the GEMM run 16 times: the same bits each time, against the reference."""
+    gen = torch.Generator().manual_seed(50 + pdl)
+    counts = torch.randint(470, 560, (32,), generator=gen).tolist()
+    _check_each_expert(config, counts, 50, repeats=16, pdl=pdl)
 
 
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
