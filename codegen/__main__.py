@@ -1,5 +1,5 @@
 """python -m codegen --arch sm90 [--list | --render-only | --build-only] [--only A,B] [-j N]
-                     [--define NAME[=VALUE] ...] [--out-dir DIR]"""
+                     [--define NAME[=VALUE] ...] [--out-dir DIR] [--wheel DIR]"""
 
 import argparse
 import json
@@ -10,6 +10,7 @@ from .build import BuildError, build, check_defines
 from .configs import KERNELS
 from .render import ConfigError, configs_for, render_to_disk
 from .toolchain import ToolchainError
+from .wheel import build_wheel
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,6 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
                    help="a macro for every compile, for development probes (e.g. MC_PROBE_NO_CONVERT); needs --out-dir")
     p.add_argument("--out-dir", help="where the library, its manifest and objects go (default build/<arch>)")
+    p.add_argument("--wheel", metavar="DIR",
+                   help="then pack the package and the library into a wheel in DIR (pip install it where the layer "
+                        "runs: no checkout, no CUDA toolkit)")
     return p
 
 
@@ -40,6 +44,8 @@ def main(argv=None) -> int:
         if args.define and not args.out_dir:
             raise ConfigError("--define needs --out-dir: a probe library must not replace build/<arch>'s")
         check_defines(args.define)   # before rendering anything
+        if args.wheel and (args.define or only or args.list or args.render_only):
+            raise ConfigError("--wheel packs the whole library: not with --define, --only, --list or --render-only")
         if not args.build_only:
             unknown = sorted(set(only or ()) - {cfg.name for cfg in configs_for(args.arch)})
             if unknown:
@@ -48,8 +54,10 @@ def main(argv=None) -> int:
             changed = render_to_disk(args.arch)
             print(f"[codegen] rendered {args.arch}: {len(changed)} files changed", flush=True)
         if not args.render_only:
-            build(args.arch, only=only, jobs=args.jobs, out_dir=Path(args.out_dir) if args.out_dir else None,
-                  defines=args.define)
+            library = build(args.arch, only=only, jobs=args.jobs, out_dir=Path(args.out_dir) if args.out_dir else None,
+                            defines=args.define)
+            if args.wheel:
+                print(f"[codegen] wrote {build_wheel(args.arch, library, Path(args.wheel))}", flush=True)
         return 0
     except (ConfigError, ToolchainError, BuildError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,6 +1,8 @@
 """Loads the kernel library (a plain C ABI, through ctypes) and calls its functions.
 
-The library is found at $MOE_CUTLASS_LIB, else <repo>/build/sm90/libmoe_cutlass_sm90.so.
+The library is found at $MOE_CUTLASS_LIB, else where a source checkout builds it
+(<repo>/build/sm90/libmoe_cutlass_sm90.so, beside this package), else inside the package
+(moe_cutlass/_kernels/, where the wheel of `python -m codegen --arch sm90 --wheel DIR` puts it).
 Beside it, lib<...>.manifest.json (written by the build) lists the kernels it holds and
 the C signature of every exported function; argtypes and restype come from there, so a
 pointer is never truncated to a C int. Nothing is loaded at import time.
@@ -15,7 +17,10 @@ from pathlib import Path
 
 ENV_VAR = "MOE_CUTLASS_LIB"
 ARCH = "sm90"
-DEFAULT_PATH = Path(__file__).resolve().parent.parent / "build" / ARCH / f"libmoe_cutlass_{ARCH}.so"
+LIBRARY_NAME = f"libmoe_cutlass_{ARCH}.so"
+CHECKOUT_PATH = Path(__file__).resolve().parent.parent / "build" / ARCH / LIBRARY_NAME
+BUNDLED_DIR = "_kernels"   # codegen/wheel.py packs the library here
+BUNDLED_PATH = Path(__file__).resolve().parent / BUNDLED_DIR / LIBRARY_NAME
 
 # C types the ABI may use. Every pointer (any "T*") is passed as c_void_p.
 C_TYPES = {
@@ -96,16 +101,24 @@ class Library:
 
 
 def library_path() -> Path:
-    return Path(os.environ[ENV_VAR]) if os.environ.get(ENV_VAR) else DEFAULT_PATH
+    """$MOE_CUTLASS_LIB; else the checkout's build, which is newer than a copy in the package when both exist
+    (an editable install that was once packaged); else the wheel's copy; else the checkout's path, for the
+    error."""
+    if os.environ.get(ENV_VAR):
+        return Path(os.environ[ENV_VAR])
+    return BUNDLED_PATH if BUNDLED_PATH.is_file() and not CHECKOUT_PATH.is_file() else CHECKOUT_PATH
 
 
 @functools.lru_cache(maxsize=1)
 def library() -> Library:
     path = library_path()
     if not path.is_file():
-        source = f"${ENV_VAR}" if os.environ.get(ENV_VAR) else "the default location"
-        raise LibraryNotFound(f"moe_cutlass kernel library not found at {path} ({source}); build it with "
-                              f"`python -m codegen --arch {ARCH}` in the repository, or set {ENV_VAR}")
+        where = (f"${ENV_VAR} = {path}" if os.environ.get(ENV_VAR)
+                 else f"{CHECKOUT_PATH} (a source checkout's build) or {BUNDLED_PATH} (a wheel's)")
+        raise LibraryNotFound(f"moe_cutlass kernel library not found at {where}; in a source checkout build it with "
+                              f"`python -m codegen --arch {ARCH}` (and keep the install editable, `pip install -e`), "
+                              f"or install the wheel that `python -m codegen --arch {ARCH} --wheel DIR` writes, or set "
+                              f"{ENV_VAR} to a built library")
     return Library(path)
 
 

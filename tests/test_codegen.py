@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,9 @@ import pytest
 from codegen import cache, render
 from codegen.build import build, compile_flags
 from codegen.configs import KERNELS, KernelConfig
-from codegen.paths import REPO_ROOT, generated_dir, templates_dir
+from codegen.paths import REPO_ROOT, generated_dir, library_name, templates_dir
 from codegen.toolchain import Toolchain
+from codegen.wheel import BUNDLED_DIR, build_wheel, platform_tag
 from moe_cutlass import _lib, ops
 
 ARCH = "sm90"
@@ -243,6 +245,78 @@ def test_loaded_never_loads_the_library(monkeypatch, tmp_path):
         assert _lib.loaded() is None   # would raise LibraryNotFound if it tried
     finally:
         _lib.library.cache_clear()
+
+
+def test_the_library_is_looked_for_in_order(monkeypatch, tmp_path):
+    checkout, bundled = tmp_path / "build" / _lib.LIBRARY_NAME, tmp_path / "pkg" / _lib.LIBRARY_NAME
+    monkeypatch.setattr(_lib, "CHECKOUT_PATH", checkout)
+    monkeypatch.setattr(_lib, "BUNDLED_PATH", bundled)
+    monkeypatch.delenv(_lib.ENV_VAR, raising=False)
+    _lib.library.cache_clear()
+    try:
+        with pytest.raises(_lib.LibraryNotFound, match="--wheel") as err:
+            _lib.library()
+        assert str(checkout) in str(err.value) and str(bundled) in str(err.value)
+        bundled.parent.mkdir()
+        bundled.write_bytes(b"")
+        assert _lib.library_path() == bundled        # a wheel's copy, no checkout beside the package
+        checkout.parent.mkdir()
+        checkout.write_bytes(b"")
+        assert _lib.library_path() == checkout       # a checkout's build is the newer one
+        monkeypatch.setenv(_lib.ENV_VAR, str(tmp_path / "mine.so"))
+        assert _lib.library_path() == tmp_path / "mine.so"
+        with pytest.raises(_lib.LibraryNotFound, match=r"\$MOE_CUTLASS_LIB"):
+            _lib.library()
+    finally:
+        _lib.library.cache_clear()
+
+
+def _stand_in_library(directory: Path, defines=()) -> Path:
+    """A file where the library goes, with its manifest: packaging copies the library without reading it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    library = directory / library_name(ARCH)
+    library.write_bytes(b"a stand-in for the kernel library")
+    library.with_suffix(".manifest.json").write_text(json.dumps({"arch": ARCH, "defines": list(defines),
+                                                                  "kernels": []}))
+    return library
+
+
+def test_the_wheel_holds_the_package_and_the_library_and_finds_it(tmp_path):
+    assert BUNDLED_DIR == _lib.BUNDLED_DIR and library_name(ARCH) == _lib.LIBRARY_NAME
+    library = _stand_in_library(tmp_path / "lib")
+    wheel = build_wheel(ARCH, library, tmp_path / "dist")
+    assert wheel.name.startswith("moe_cutlass-") and wheel.name.endswith(f"-py3-none-{platform_tag()}.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    bundled = f"moe_cutlass/{BUNDLED_DIR}/{library_name(ARCH)}"
+    for name in (bundled, bundled.replace(".so", ".manifest.json"), "moe_cutlass/__init__.py",
+                 "moe_cutlass/integrations/transformers.py"):
+        assert name in names
+    assert not [n for n in names if n.split("/")[0] in ("codegen", "tests", "benchmarks", "templates", "build")
+                or "__pycache__" in n]
+    # Installed away from any checkout, with MOE_CUTLASS_LIB unset, the package finds the library inside itself.
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site),
+                    str(wheel)], check=True, capture_output=True)
+    env = {k: v for k, v in os.environ.items() if k != _lib.ENV_VAR}
+    env["PYTHONPATH"] = str(site)
+    proc = subprocess.run([sys.executable, "-c", "import moe_cutlass, moe_cutlass._lib as l; "
+                           "print(moe_cutlass.__file__); print(l.library_path())"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    package_file, path = proc.stdout.split()
+    assert Path(package_file).parent == site / "moe_cutlass"
+    assert Path(path) == site / bundled
+
+
+def test_a_wheel_takes_only_a_whole_real_library(tmp_path):
+    probe = _stand_in_library(tmp_path / "probe", defines=["MC_PROBE_NO_MMA"])
+    with pytest.raises(render.ConfigError, match="probe build"):
+        build_wheel(ARCH, probe, tmp_path / "dist")
+    with pytest.raises(render.ConfigError, match="missing"):
+        build_wheel(ARCH, tmp_path / "none" / library_name(ARCH), tmp_path / "dist")
+    proc = codegen_cli("--arch", ARCH, "--only", "routing", "--wheel", str(tmp_path / "dist"))
+    assert proc.returncode == 2 and "--wheel" in proc.stderr
+    assert not (tmp_path / "dist").exists()
 
 
 def _first_gemm(kind, tile_m=128):
