@@ -5,6 +5,8 @@ Import works without a GPU: the MXFP4 helpers, `prepare_experts`, `select_expert
 float32 `reference` layer run on the CPU (and so does `MoELayer`, through the reference);
 `fused_moe` needs an SM90 GPU and the built library (`python -m codegen --arch sm90`).
 """
+__version__ = "0.1.0"   # the one place it is written: pyproject.toml reads it
+
 from . import reference, tuning
 from .experts import PreparedExperts, prepare_experts, stack_experts
 from .layer import fused_moe
@@ -17,6 +19,7 @@ __all__ = [
     "MoELayer",
     "PreparedExperts",
     "Workspace",
+    "__version__",
     "allocate_workspace",
     "dequantize_mxfp4",
     "free_workspaces",
