@@ -63,7 +63,7 @@ def build_wheel(arch: str, library: Path, dist_dir: Path, source_root: Path = RE
         proc = subprocess.run([sys.executable, "-c", _BACKEND, str(out), platform_tag()], cwd=stage,
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            raise BuildError(f"building the wheel failed (setuptools >= 64 must be installed):\n{proc.stdout}"
+            raise BuildError(f"building the wheel failed (it needs setuptools >= 70.1, or the wheel package):\n{proc.stdout}"
                              f"{proc.stderr}")
         name = proc.stdout.strip().splitlines()[-1]
         target = dist_dir / name
