@@ -28,8 +28,8 @@ PACKAGE = "moe_cutlass"
 BUNDLED_DIR = "_kernels"   # must be moe_cutlass._lib.BUNDLED_DIR (tests/test_codegen.py checks)
 
 # setuptools' own PEP 517 backend, in a child process: it works in its current directory and keeps global state.
-_BACKEND = ("import sys; from setuptools import build_meta; "
-            "print(build_meta.build_wheel(sys.argv[1], config_settings={'--build-option': ['--plat-name', sys.argv[2]]}))")
+_BACKEND = ("import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1], "
+            "config_settings={'--build-option': ['--plat-name', sys.argv[2]]}))")
 
 
 def platform_tag() -> str:
@@ -63,8 +63,8 @@ def build_wheel(arch: str, library: Path, dist_dir: Path, source_root: Path = RE
         proc = subprocess.run([sys.executable, "-c", _BACKEND, str(out), platform_tag()], cwd=stage,
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            raise BuildError(f"building the wheel failed (it needs setuptools >= 70.1, or the wheel package):\n{proc.stdout}"
-                             f"{proc.stderr}")
+            raise BuildError("building the wheel failed (it needs setuptools >= 70.1, or the wheel package):\n"
+                             f"{proc.stdout}{proc.stderr}")
         name = proc.stdout.strip().splitlines()[-1]
         target = dist_dir / name
         shutil.copy2(out / name, target)
