@@ -30,16 +30,29 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def _loaded_library():
+    lib = sys.modules.get("moe_cutlass._lib")   # not imported: no kernels ran in this process
+    return lib.loaded() if lib is not None else None
+
+
 def probe_defines() -> list:
     """The macros of a probe build (python -m codegen --define) when the process loaded one, else []."""
-    lib = sys.modules.get("moe_cutlass._lib")   # not imported: no kernels ran in this process
-    library = lib.loaded() if lib is not None else None
+    library = _loaded_library()
     return library.defines if library is not None else []
 
 
+def library_identity() -> dict | None:
+    """Which kernel library ran: its path and the link key of its objects (the build's content hash), since the
+    library is often built at another commit than the package's (MOE_CUTLASS_LIB)."""
+    library = _loaded_library()
+    if library is None:
+        return None
+    return {"path": str(library.path), "link_key": library.manifest.get("link_key")}
+
+
 def write_record(kind: str, payload: dict, out_dir=None) -> Path:
-    """Write {commit, date, device, command, kind, **payload} and return its path, with
-    probe_defines added when the kernels that ran came from a probe build.
+    """Write {commit, date, device, command, kind, **payload} and return its path, with the library that ran
+    (path, link key) when one was loaded, and probe_defines when it was a probe build.
 
     The file name carries the kind and a UTC timestamp so records never overwrite each other.
     """
@@ -55,6 +68,9 @@ def write_record(kind: str, payload: dict, out_dir=None) -> Path:
     defines = probe_defines()
     if defines:
         record["probe_defines"] = defines
+    identity = library_identity()
+    if identity is not None:
+        record["library"] = identity
     directory = Path(out_dir) if out_dir else RESULTS_DIR
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{kind}_{now.strftime('%Y%m%dT%H%M%SZ')}.json"

@@ -24,13 +24,16 @@ def test_record_carries_the_required_fields(tmp_path, monkeypatch):
     assert path.parent == tmp_path and path.name.startswith("bench_")
 
 
-def test_a_record_of_a_probe_build_says_so(tmp_path, monkeypatch):
-    lib = SimpleNamespace(loaded=lambda: SimpleNamespace(defines=["MC_PROBE_NO_MMA"]))
+def test_a_record_names_the_library_and_a_probe_build(tmp_path, monkeypatch):
+    library = SimpleNamespace(defines=["MC_PROBE_NO_MMA"], path="build/probe/lib.so", manifest={"link_key": "abc"})
+    lib = SimpleNamespace(loaded=lambda: library)
     monkeypatch.setitem(sys.modules, "moe_cutlass._lib", lib)
     record = json.loads(write_record("profile", {"rows": []}, tmp_path).read_text())
     assert record["probe_defines"] == ["MC_PROBE_NO_MMA"]
-    lib.loaded = lambda: None   # nothing loaded: an ordinary record
-    assert "probe_defines" not in json.loads(write_record("profile", {"rows": []}, tmp_path / "b").read_text())
+    assert record["library"] == {"path": "build/probe/lib.so", "link_key": "abc"}
+    lib.loaded = lambda: None   # nothing loaded: an ordinary record, no library named
+    record = json.loads(write_record("profile", {"rows": []}, tmp_path / "b").read_text())
+    assert "probe_defines" not in record and "library" not in record
 
 
 def test_peer_rows_become_bench_rows():
