@@ -53,7 +53,8 @@ def build_wheel(arch: str, library: Path, dist_dir: Path, source_root: Path = RE
         stage = Path(tmp) / "src"
         shutil.copytree(source_root / PACKAGE, stage / PACKAGE,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc", BUNDLED_DIR))
-        shutil.copy2(source_root / "pyproject.toml", stage / "pyproject.toml")
+        for name in ("pyproject.toml", "README.md"):   # the metadata and its long description
+            shutil.copy2(source_root / name, stage / name)
         kernels = stage / PACKAGE / BUNDLED_DIR
         kernels.mkdir()
         bundled = kernels / library_name(arch)

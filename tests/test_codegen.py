@@ -18,6 +18,7 @@ from codegen.configs import KERNELS, KernelConfig
 from codegen.paths import REPO_ROOT, generated_dir, library_name, templates_dir
 from codegen.toolchain import Toolchain
 from codegen.wheel import BUNDLED_DIR, build_wheel, platform_tag
+import moe_cutlass
 from moe_cutlass import _lib, ops
 
 ARCH = "sm90"
@@ -287,6 +288,9 @@ def test_the_wheel_holds_the_package_and_the_library_and_finds_it(tmp_path):
     wheel = build_wheel(ARCH, library, tmp_path / "dist")
     assert wheel.name.startswith("moe_cutlass-") and wheel.name.endswith(f"-py3-none-{platform_tag()}.whl")
     names = zipfile.ZipFile(wheel).namelist()
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert f"Version: {moe_cutlass.__version__}\n" in metadata and "Requires-Dist: torch" in metadata
+    assert "# moe_cutlass" in metadata   # README.md, the long description
     bundled = f"moe_cutlass/{BUNDLED_DIR}/{library_name(ARCH)}"
     for name in (bundled, bundled.replace(".so", ".manifest.json"), "moe_cutlass/__init__.py",
                  "moe_cutlass/integrations/transformers.py"):
