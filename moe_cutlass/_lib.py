@@ -101,9 +101,9 @@ class Library:
 
 
 def library_path() -> Path:
-    """$MOE_CUTLASS_LIB; else the checkout's build, which is newer than a copy in the package when both exist
-    (an editable install that was once packaged); else the wheel's copy; else the checkout's path, for the
-    error."""
+    """$MOE_CUTLASS_LIB; else the build of the checkout this package sits in (what `python -m codegen` just
+    rebuilt, even where a library was also copied into the package); else the wheel's copy; else the checkout's
+    path, for the error."""
     if os.environ.get(ENV_VAR):
         return Path(os.environ[ENV_VAR])
     return BUNDLED_PATH if BUNDLED_PATH.is_file() and not CHECKOUT_PATH.is_file() else CHECKOUT_PATH
