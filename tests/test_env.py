@@ -78,44 +78,6 @@ def test_no_driver_is_a_problem_not_a_crash(machine, monkeypatch):
     assert not r["ready"] and r["gpu"]["devices"] == [] and "no libcuda" in r["problems"][0]
 
 
-def _row(ok=True, relerr=3e-3):
-    return {"E": 8, "H": 512, "I": 256, "top_k": 2, "activation": "silu", "M": 3, "mode": "graph", "relerr": relerr,
-            "ok": ok}
-
-
-def test_run_adds_the_layer_against_the_reference(machine, monkeypatch, capsys):
-    calls = []
-    monkeypatch.setattr(env, "run_check", lambda index: calls.append(index) or [_row(), _row()])
-    assert env.main(["--run"]) == 0 and calls == [0]
-    assert "relative error 3.0e-03 against the reference" in capsys.readouterr().out
-    monkeypatch.setattr(env, "run_check", lambda index: [_row(), _row(ok=False, relerr=float("nan"))])
-    assert env.main(["--run", "--json"]) == 1
-    r = json.loads(capsys.readouterr().out)
-    assert not r["ready"] and "1 of 2 checks differ from the reference" in r["problems"][0]
-
-    def cannot_run(index):
-        raise RuntimeError("mc_layer failed: no kernel image is available (CUDA error 209)")
-
-    monkeypatch.setattr(env, "run_check", cannot_run)
-    assert env.main(["--run"]) == 1
-    assert "run: RuntimeError: mc_layer failed: no kernel image" in capsys.readouterr().out
-
-
-def test_run_is_skipped_where_not_ready(machine, monkeypatch):
-    machine["devices"] = []
-    monkeypatch.setattr(env, "run_check", lambda index: pytest.fail("ran without an SM90 GPU"))
-    assert env.main(["--run"]) == 1
-
-
-@pytest.mark.gpu
-def test_the_run_check_passes_on_a_gpu():
-    rows = env.run_check(0)
-    assert len(rows) == 2 * len(env.RUN_CASES) and {r["mode"] for r in rows} == {"eager", "graph"}
-    assert all(r["ok"] and r["relerr"] < 1e-2 for r in rows), rows
-    proc = subprocess.run([sys.executable, "-m", "moe_cutlass", "--run"], capture_output=True, text=True)
-    assert proc.returncode == 0 and "ready: fused_moe can run here" in proc.stdout, proc.stdout + proc.stderr
-
-
 def test_the_command_on_this_machine():
     """Whatever this machine has: valid JSON, and the exit status says whether the layer can run."""
     proc = subprocess.run([sys.executable, "-m", "moe_cutlass", "--json"], capture_output=True, text=True)
