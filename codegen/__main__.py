@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.wheel and (args.define or args.only or args.list or args.render_only):
+            raise ConfigError("--wheel packs the whole library: not with --define, --only, --list or --render-only")
         if args.list:
             for cfg in configs_for(args.arch):
                 print(f"{cfg.name}\t{cfg.template}\t{json.dumps(dict(cfg.params), sort_keys=True)}")
@@ -44,8 +46,6 @@ def main(argv=None) -> int:
         if args.define and not args.out_dir:
             raise ConfigError("--define needs --out-dir: a probe library must not replace build/<arch>'s")
         check_defines(args.define)   # before rendering anything
-        if args.wheel and (args.define or only or args.list or args.render_only):
-            raise ConfigError("--wheel packs the whole library: not with --define, --only, --list or --render-only")
         if not args.build_only:
             unknown = sorted(set(only or ()) - {cfg.name for cfg in configs_for(args.arch)})
             if unknown:

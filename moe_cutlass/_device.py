@@ -37,22 +37,26 @@ def _driver_call(fn, *args, what):
     return _check(result, what)
 
 
+def _init() -> None:
+    _driver_call(_driver.cuInit, 0, what="cuInit")
+
+
 def driver_version() -> str:
     """The driver's CUDA version, e.g. '13.0' (what the statically linked CUDA 13 runtime needs)."""
-    _driver_call(_driver.cuInit, 0, what="cuInit")
+    _init()
     version = _driver_call(_driver.cuDriverGetVersion, what="cuDriverGetVersion")
     return f"{version // 1000}.{version % 1000 // 10}"
 
 
 def device_count() -> int:
-    _driver_call(_driver.cuInit, 0, what="cuInit")
+    _init()
     return _driver_call(_driver.cuDeviceGetCount, what="cuDeviceGetCount")
 
 
 @functools.lru_cache(maxsize=None)
 def device_info(index: int) -> DeviceInfo:
     """Facts of CUDA device `index` (same numbering as torch: both honour CUDA_VISIBLE_DEVICES)."""
-    _driver_call(_driver.cuInit, 0, what="cuInit")
+    _init()
     dev = _driver_call(_driver.cuDeviceGet, index, what=f"cuDeviceGet({index})")
     attr = _driver.CUdevice_attribute
 

@@ -100,20 +100,26 @@ class Library:
         return result
 
 
-def library_path() -> Path:
-    """$MOE_CUTLASS_LIB; else the build of the checkout this package sits in (what `python -m codegen` just
-    rebuilt, even where a library was also copied into the package); else the wheel's copy; else the checkout's
-    path, for the error."""
+def locate() -> tuple:
+    """(where the library is looked for, how that place was chosen): $MOE_CUTLASS_LIB; else the build of the
+    checkout this package sits in (what `python -m codegen` just rebuilt, even where a library was also copied into
+    the package); else the wheel's copy; else the checkout's path, for the error."""
     if os.environ.get(ENV_VAR):
-        return Path(os.environ[ENV_VAR])
-    return BUNDLED_PATH if BUNDLED_PATH.is_file() and not CHECKOUT_PATH.is_file() else CHECKOUT_PATH
+        return Path(os.environ[ENV_VAR]), f"${ENV_VAR}"
+    if BUNDLED_PATH.is_file() and not CHECKOUT_PATH.is_file():
+        return BUNDLED_PATH, "the wheel's copy"
+    return CHECKOUT_PATH, "the checkout's build"
+
+
+def library_path() -> Path:
+    return locate()[0]
 
 
 @functools.lru_cache(maxsize=1)
 def library() -> Library:
-    path = library_path()
+    path, source = locate()
     if not path.is_file():
-        where = (f"${ENV_VAR} = {path}" if os.environ.get(ENV_VAR)
+        where = (f"{source} = {path}" if source == f"${ENV_VAR}"
                  else f"{CHECKOUT_PATH} (a source checkout's build) or {BUNDLED_PATH} (a wheel's)")
         raise LibraryNotFound(f"moe_cutlass kernel library not found at {where}; in a source checkout build it with "
                               f"`python -m codegen --arch {ARCH}` (and keep the install editable, `pip install -e`), "

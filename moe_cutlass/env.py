@@ -16,9 +16,7 @@ from . import __version__, _device, _lib
 
 
 def _library_facts() -> dict:
-    path = _lib.library_path()
-    found_by = (f"${_lib.ENV_VAR}" if os.environ.get(_lib.ENV_VAR) else
-                "the checkout's build" if path == _lib.CHECKOUT_PATH else "the wheel's copy")
+    path, found_by = _lib.locate()
     facts = {"path": str(path), "found_by": found_by}
     try:
         lib = _lib.library()
